@@ -1,0 +1,268 @@
+"""The repack-moe v1 format: expert stacks laid out for the fused W4A16 MoE kernel.
+
+SPEC.md beside this file is the normative description; this module is its executable form: the
+constants, the stack metadata, and the two functions that move one layer's experts between the GPTQ
+layout and ours, :func:`pack_stack` and its exact inverse :func:`unpack_stack`.
+
+Layout of one stack of E experts with hidden size H, intermediate size I, ``pack = 32 / bits``:
+
+- ``w13_qweight`` int32 ``[E, 2I, H/pack]``: row ``n < I`` is gate output ``P2[n]``, row ``I + n`` is up output
+  ``P2[n]``; field s of word r is sorted input ``k = r*pack + s``, i.e. original input ``P1[k]``.
+- ``w13_scales`` float16 ``[E, G1, 2I]``, ``w13_zeros`` uint8 ``[E, G1, 2I]`` (asymmetric only).
+- ``w13_perm`` int32 ``[E, H]`` = P1 (act-order only): the kernel gathers activations through it.
+- ``w2_qweight`` int32 ``[E, H, I/pack]`` with rows of the input sorted by P2, ``w2_scales`` float16
+  ``[E, G2, H]``, ``w2_zeros`` uint8 ``[E, G2, H]`` (asymmetric only).
+- ``w2_perm`` int32 ``[E, I]`` = P2 (act-order only): already folded into w13's rows, kept for the inverse.
+
+P1/P2 are the stable sorts of ``g_idx`` so that after sorting input row k belongs to group ``k // group``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .gptq import (
+    GptqFormatError,
+    GptqLinear,
+    GptqScheme,
+    pack_along_rows,
+    read_zero_points,
+    trivial_g_idx,
+    unpack_along_rows,
+    write_zero_points,
+)
+
+FORMAT_NAME = "repack-moe"
+FORMAT_VERSION = 1
+QUANT_METHOD = "repack"
+MANIFEST_FILE = "repack_manifest.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+STACK_TENSORS = ("w13_qweight", "w13_scales", "w13_zeros", "w13_perm", "w2_qweight", "w2_scales", "w2_zeros", "w2_perm")
+ROUTED = "routed"
+SHARED = "shared"
+
+
+@dataclass
+class StackInfo:
+    """Everything needed to run a stack and to rebuild its GPTQ source tensors exactly."""
+
+    prefix: str  # output tensor prefix, e.g. "model.layers.3.mlp.experts"
+    kind: str  # ROUTED or SHARED
+    num_experts: int  # experts in the stack (a shared expert split into chunks counts each chunk)
+    hidden_size: int
+    intermediate_size: int  # per stacked expert
+    bits: int
+    group_size: int
+    sym: bool
+    checkpoint_format: str  # of the source, for the inverse
+    act_order_w13: bool
+    act_order_w2: bool
+    has_g_idx: bool  # the source stored g_idx tensors (the inverse writes them back only then)
+    # Source module names, one triple (gate, up, down) per source expert; a shared expert split into
+    # `num_experts` chunks has a single triple.
+    source_modules: list[list[str]] = field(default_factory=list)
+
+    @property
+    def scheme(self) -> GptqScheme:
+        return GptqScheme(self.bits, self.group_size, self.sym, self.checkpoint_format)
+
+    @property
+    def chunks_per_source(self) -> int:
+        return self.num_experts // len(self.source_modules)
+
+    def tensor_names(self) -> list[str]:
+        names = ["w13_qweight", "w13_scales", "w2_qweight", "w2_scales"]
+        if not self.sym:
+            names += ["w13_zeros", "w2_zeros"]
+        if self.act_order_w13:
+            names.append("w13_perm")
+        if self.act_order_w2:
+            names.append("w2_perm")
+        return [f"{self.prefix}.{n}" for n in sorted(names, key=STACK_TENSORS.index)]
+
+    def tensor_shapes(self) -> dict[str, tuple[list[int], str]]:
+        """name -> (shape, dtype name) of every tensor the stack stores."""
+        e, h, i, pack = self.num_experts, self.hidden_size, self.intermediate_size, 32 // self.bits
+        g1, g2 = self.scheme.groups(h), self.scheme.groups(i)
+        table = {
+            "w13_qweight": ([e, 2 * i, h // pack], "int32"),
+            "w13_scales": ([e, g1, 2 * i], "float16"),
+            "w13_zeros": ([e, g1, 2 * i], "uint8"),
+            "w13_perm": ([e, h], "int32"),
+            "w2_qweight": ([e, h, i // pack], "int32"),
+            "w2_scales": ([e, g2, h], "float16"),
+            "w2_zeros": ([e, g2, h], "uint8"),
+            "w2_perm": ([e, i], "int32"),
+        }
+        return {name: table[name.rsplit(".", 1)[1]] for name in self.tensor_names()}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> StackInfo:
+        return cls(**data)
+
+
+def sort_permutation(name: str, linear: GptqLinear, scheme: GptqScheme) -> torch.Tensor | None:
+    """The act-order permutation P (sorted row k reads original row P[k]), or None if g_idx is trivial."""
+    k = linear.in_features(scheme)
+    if linear.g_idx is None:
+        return None
+    g_idx = linear.g_idx.to(torch.int64)
+    trivial = trivial_g_idx(k, scheme).to(torch.int64)
+    if torch.equal(g_idx, trivial):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], trivial):
+        raise GptqFormatError(
+            f"{name}.g_idx: groups are not all of size {scheme.group_len(k)}, so no row order makes them "
+            "contiguous; this act-order layout is not supported"
+        )
+    return perm.to(torch.int32)
+
+
+def _identity(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32)
+
+
+def pack_stack(info: StackInfo, experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]]) -> dict[str, torch.Tensor]:
+    """GPTQ (gate, up, down) linears of each source expert -> the stack's tensors, keyed by full name.
+
+    ``info.act_order_*`` must already say whether any expert has a non-trivial g_idx (see :func:`plan_flags`).
+    A single source expert is split into ``info.num_experts`` chunks along its intermediate dimension.
+    """
+    scheme = info.scheme
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in STACK_TENSORS}
+    for triple_names, (gate, up, down) in zip(info.source_modules, experts, strict=True):
+        gate_name, up_name, down_name = triple_names
+        p1 = sort_permutation(gate_name, gate, scheme)
+        p1_up = sort_permutation(up_name, up, scheme)
+        if (p1 is None) != (p1_up is None) or (p1 is not None and not torch.equal(p1, p1_up)):
+            raise GptqFormatError(
+                f"{gate_name} / {up_name}: gate and up have different act-order permutations; they share one "
+                "input, so a merged w13 needs one order (re-quantize with the same desc_act order)"
+            )
+        p2 = sort_permutation(down_name, down, scheme)
+        h, i_total = gate.in_features(scheme), gate.out_features
+        p1 = _identity(h) if p1 is None else p1
+        p2 = _identity(i_total) if p2 is None else p2
+        p1_long, p2_long = p1.long(), p2.long()
+
+        q_gate = unpack_along_rows(gate.qweight, scheme.bits)[p1_long][:, p2_long]  # [H, I] sorted
+        q_up = unpack_along_rows(up.qweight, scheme.bits)[p1_long][:, p2_long]
+        q_down = unpack_along_rows(down.qweight, scheme.bits)[p2_long]  # [I, H] sorted rows
+        s_gate, s_up = gate.scales[:, p2_long], up.scales[:, p2_long]
+        z_gate = read_zero_points(gate.qzeros, scheme)[:, p2_long]
+        z_up = read_zero_points(up.qzeros, scheme)[:, p2_long]
+        z_down = read_zero_points(down.qzeros, scheme)
+
+        chunks = info.chunks_per_source
+        i = info.intermediate_size
+        g2_per_chunk = scheme.groups(i)
+        for c in range(chunks):
+            cols = slice(c * i, (c + 1) * i)
+            w13 = torch.cat([q_gate[:, cols], q_up[:, cols]], dim=1)  # [H, 2I]
+            parts["w13_qweight"].append(pack_along_rows(w13, scheme.bits).t().contiguous())
+            parts["w13_scales"].append(torch.cat([s_gate[:, cols], s_up[:, cols]], dim=1))
+            parts["w13_zeros"].append(torch.cat([z_gate[:, cols], z_up[:, cols]], dim=1))
+            parts["w13_perm"].append(p1)
+            rows = slice(c * i, (c + 1) * i)
+            groups = slice(c * g2_per_chunk, (c + 1) * g2_per_chunk)
+            parts["w2_qweight"].append(pack_along_rows(q_down[rows], scheme.bits).t().contiguous())
+            parts["w2_scales"].append(down.scales[groups])
+            parts["w2_zeros"].append(z_down[groups])
+            parts["w2_perm"].append(p2[rows])
+    wanted = {name.rsplit(".", 1)[1] for name in info.tensor_names()}
+    return {f"{info.prefix}.{name}": torch.stack(parts[name]) for name in STACK_TENSORS if name in wanted}
+
+
+def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Exact inverse of :func:`pack_stack`: the stack's tensors -> the GPTQ source tensors, keyed by name."""
+    scheme = info.scheme
+    get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
+    e, h, i = info.num_experts, info.hidden_size, info.intermediate_size
+    chunks = info.chunks_per_source
+    out: dict[str, torch.Tensor] = {}
+    for s, (gate_name, up_name, down_name) in enumerate(info.source_modules):
+        experts = range(s * chunks, (s + 1) * chunks)
+        q13 = torch.cat([unpack_along_rows(get("w13_qweight")[x].t(), scheme.bits) for x in experts], dim=1)
+        # q13 columns: chunk c holds [gate_c | up_c]; regroup into gate and up, each [H, I_total] sorted.
+        q13 = q13.view(h, chunks, 2, i)
+        q_gate, q_up = q13[:, :, 0].reshape(h, -1), q13[:, :, 1].reshape(h, -1)
+        s13 = torch.cat([get("w13_scales")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
+        s_gate, s_up = s13[:, :, 0].reshape(s13.shape[0], -1), s13[:, :, 1].reshape(s13.shape[0], -1)
+        q_down = torch.cat([unpack_along_rows(get("w2_qweight")[x].t(), scheme.bits) for x in experts], dim=0)
+        s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
+        if info.sym:
+            z13 = torch.full((s13.shape[0], 2 * chunks * i), scheme.sym_zero, dtype=torch.uint8)
+            z13 = z13.view(-1, chunks, 2, i)
+            z_down = torch.full(tuple(s_down.shape), scheme.sym_zero, dtype=torch.uint8)
+        else:
+            z13 = torch.cat([get("w13_zeros")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
+            z_down = torch.cat([get("w2_zeros")[x] for x in experts], dim=0)
+        z_gate, z_up = z13[:, :, 0].reshape(z13.shape[0], -1), z13[:, :, 1].reshape(z13.shape[0], -1)
+        p1 = get("w13_perm")[experts[0]].long() if info.act_order_w13 else _identity(h).long()
+        if info.act_order_w2:
+            p2 = torch.cat([get("w2_perm")[x] for x in experts]).long()
+        else:
+            p2 = _identity(chunks * i).long()
+        inv1, inv2 = torch.argsort(p1), torch.argsort(p2)
+
+        for name, q, sc, zp in ((gate_name, q_gate, s_gate, z_gate), (up_name, q_up, s_up, z_up)):
+            q = q[inv1][:, inv2]
+            out[f"{name}.qweight"] = pack_along_rows(q, scheme.bits)
+            out[f"{name}.qzeros"] = write_zero_points(zp[:, inv2].contiguous(), scheme)
+            out[f"{name}.scales"] = sc[:, inv2].contiguous()
+            if info.has_g_idx:
+                out[f"{name}.g_idx"] = trivial_g_idx(h, scheme)[inv1].contiguous()
+        out[f"{down_name}.qweight"] = pack_along_rows(q_down[inv2], scheme.bits)
+        out[f"{down_name}.qzeros"] = write_zero_points(z_down.contiguous(), scheme)
+        out[f"{down_name}.scales"] = s_down.contiguous()
+        if info.has_g_idx:
+            out[f"{down_name}.g_idx"] = trivial_g_idx(chunks * i, scheme)[inv2].contiguous()
+    return out
+
+
+def plan_flags(
+    names: list[tuple[str, str, str]], experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]], scheme: GptqScheme
+) -> tuple[bool, bool, bool]:
+    """(act_order_w13, act_order_w2, has_g_idx) of a stack, read from the g_idx tensors themselves."""
+    w13 = w2 = False
+    has_g_idx = all(lin.g_idx is not None for triple in experts for lin in triple)
+    for (gate_name, _, down_name), (gate, _, down) in zip(names, experts, strict=True):
+        w13 = w13 or sort_permutation(gate_name, gate, scheme) is not None
+        w2 = w2 or sort_permutation(down_name, down, scheme) is not None
+    return w13, w2, has_g_idx
+
+
+def dequantize_stack(info: StackInfo, tensors: dict[str, torch.Tensor], dtype=torch.float32):
+    """Reference dequantization of a stack in OUR layout: (w13 [E, 2I, H] in original input order, w2 [E, H, I]).
+
+    w2's input is in the sorted (P2) order, matching w13's output rows; w13 is returned with its input
+    columns scattered back to the original order so ``x @ w13[e].T`` needs no gather.
+    """
+    scheme = info.scheme
+    get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
+    e, h, i = info.num_experts, info.hidden_size, info.intermediate_size
+    glen1, glen2 = scheme.group_len(h), scheme.group_len(i)
+    w13s, w2s = [], []
+    for x in range(e):
+        q13 = unpack_along_rows(get("w13_qweight")[x].t(), scheme.bits).to(torch.int32)  # [H, 2I] sorted rows
+        q2 = unpack_along_rows(get("w2_qweight")[x].t(), scheme.bits).to(torch.int32)  # [I, H]
+        g1 = torch.arange(h) // glen1
+        g2 = torch.arange(i) // glen2
+        z13 = get("w13_zeros")[x].int() if not info.sym else torch.full_like(get("w13_scales")[x], scheme.sym_zero).int()
+        z2 = get("w2_zeros")[x].int() if not info.sym else torch.full_like(get("w2_scales")[x], scheme.sym_zero).int()
+        w13 = get("w13_scales")[x].to(dtype)[g1] * (q13 - z13[g1]).to(dtype)  # [H sorted, 2I]
+        if info.act_order_w13:
+            unsorted = torch.empty_like(w13)
+            unsorted[get("w13_perm")[x].long()] = w13
+            w13 = unsorted
+        w2 = get("w2_scales")[x].to(dtype)[g2] * (q2 - z2[g2]).to(dtype)  # [I sorted, H]
+        w13s.append(w13.t())
+        w2s.append(w2.t())
+    return torch.stack(w13s), torch.stack(w2s)
