@@ -184,7 +184,7 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
     """Exact inverse of :func:`pack_stack`: the stack's tensors -> the GPTQ source tensors, keyed by name."""
     scheme = info.scheme
     get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
-    e, h, i = info.num_experts, info.hidden_size, info.intermediate_size
+    h, i = info.hidden_size, info.intermediate_size
     chunks = info.chunks_per_source
     out: dict[str, torch.Tensor] = {}
     for s, (gate_name, up_name, down_name) in enumerate(info.source_modules):
@@ -255,7 +255,9 @@ def dequantize_stack(info: StackInfo, tensors: dict[str, torch.Tensor], dtype=to
         q2 = unpack_along_rows(get("w2_qweight")[x].t(), scheme.bits).to(torch.int32)  # [I, H]
         g1 = torch.arange(h) // glen1
         g2 = torch.arange(i) // glen2
-        z13 = get("w13_zeros")[x].int() if not info.sym else torch.full_like(get("w13_scales")[x], scheme.sym_zero).int()
+        z13 = (
+            get("w13_zeros")[x].int() if not info.sym else torch.full_like(get("w13_scales")[x], scheme.sym_zero).int()
+        )
         z2 = get("w2_zeros")[x].int() if not info.sym else torch.full_like(get("w2_scales")[x], scheme.sym_zero).int()
         w13 = get("w13_scales")[x].to(dtype)[g1] * (q13 - z13[g1]).to(dtype)  # [H sorted, 2I]
         if info.act_order_w13:

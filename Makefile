@@ -1,0 +1,41 @@
+# Everyday commands. `make demo` and `make test` are the two README commands: each sets up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= demo-out
+
+.PHONY: install demo test lint format bench-convert bench-moe clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU wheel of torch first, so nothing below pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/repack demo $(DEMO_DIR)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench-convert: $(STAMP)
+	$(BIN)/python benchmarks/bench_convert.py
+
+bench-moe: $(STAMP)
+	$(BIN)/python benchmarks/bench_moe.py
+
+clean:
+	rm -rf $(DEMO_DIR) build dist *.egg-info .pytest_cache .ruff_cache
