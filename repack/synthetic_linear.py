@@ -12,18 +12,26 @@ from repack.formats.gptq import GptqLinear, GptqScheme, pack_along_rows, write_z
 
 
 def quantize_linear(
-    weight: torch.Tensor, scheme: GptqScheme, *, act_order: bool = False, generator: torch.Generator | None = None
+    weight: torch.Tensor,
+    scheme: GptqScheme,
+    *,
+    act_order: bool = False,
+    generator: torch.Generator | None = None,
+    order: torch.Tensor | None = None,
 ) -> GptqLinear:
     """Quantize ``weight`` [N, K] to a GPTQ linear with round-to-nearest.
 
     With ``act_order`` the input rows are ranked by a random order (standing in for the Hessian order) and
-    ``g_idx[k] = rank(k) // group``, stored in original row order, as GPTQ's desc_act writes it.
+    ``g_idx[k] = rank(k) // group``, stored in original row order, as GPTQ's desc_act writes it. Pass
+    ``order`` (a permutation of ``range(K)``, first = most important row) to reuse one order for linears
+    that share an input, as GPTQ does for an expert's gate and up projections (they share one g_idx).
     """
     n, k = weight.shape
     glen = scheme.group_len(k)
     groups = scheme.groups(k)
     if act_order:
-        order = torch.randperm(k, generator=generator)
+        if order is None:
+            order = torch.randperm(k, generator=generator)
         rank = torch.empty(k, dtype=torch.int64)
         rank[order] = torch.arange(k)
         g_idx = (rank // glen).to(torch.int32)

@@ -1,0 +1,430 @@
+"""The fused W4A16 MoE: two Triton GEMMs that read the repack-moe v1 layout as stored.
+
+``fused_moe`` computes ``sum_k w[m,k] * W2[e] @ (silu(W1[e] x) * (W3[e] x))`` with ``e = topk_ids[m,k]``.
+
+- w13 kernel: one program per (row block, n tile) loads the gate rows ``n0..`` and the up rows ``I+n0..``
+  of its expert (SPEC.md section 3 puts matching channels there), runs two tensor-core dots into fp32
+  and stores ``silu(gate) * up`` in the activation dtype, one row per (token, k) pair.
+- w2 kernel: the same GEMM on that intermediate; the routing weight is applied in fp32 and the top-k sum
+  is either a torch ``sum`` over per-pair rows (``REDUCE="pairs"``) or fp32 atomics into [M, H]
+  (``REDUCE="atomic"``).
+- Rows: "direct" mode (decode) gives each pair its own block (one valid row, expert read from
+  ``topk_ids``: no alignment launch); "aligned" mode sorts pairs by expert into BLOCK_M blocks
+  (runtime/align.py) so each weight tile is dequantised once per block of up to BLOCK_M tokens.
+- Dequantisation: the int32 words are viewed as int16 (4 nibbles of consecutive K each), a shift and a
+  mask give the nibble, an OR with 0x6400 and a bitcast give the fp16 ``1024 + q`` with no int-to-float
+  conversion, then ``(v - (1024 + zero)) * scale`` (the subtraction is exact, the product rounds once:
+  GPTQModel's own ``fp16(scale * (q - zero))``). bf16 uses ``0x4300`` (128 + q) and an fp32 product.
+
+Nothing here synchronises with the host, so the whole call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from repack.errors import RepackError
+from repack.runtime.align import Alignment, align_pairs
+from repack.runtime.kernel_config import fit_config, get_config
+from repack.runtime.weights import MoeWeights
+
+
+@triton.jit
+def _block_rows(
+    pid_m,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    topk_ids_ptr,
+    num_pairs,
+    DIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """(pair index of each row, row mask, expert) of row block ``pid_m``."""
+    lanes = tl.arange(0, BLOCK_M)
+    if DIRECT:
+        pairs = pid_m + lanes * 0
+        row_mask = lanes == 0
+        expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
+    else:
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + lanes)
+        row_mask = pairs < num_pairs
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    return pairs, row_mask, expert
+
+
+@triton.jit
+def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row blocks share each weight tile while it is hot in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dequant(
+    words,
+    scale,
+    zero,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """int16 words [BLOCK_N, BLOCK_K*BITS/16] -> weights [BLOCK_N, BLOCK_K] in ACT_DTYPE.
+
+    ``scale`` fp16 [BLOCK_N], ``zero`` int32 [BLOCK_N] (true zero point). FAST: exponent-OR conversion.
+    """
+    VALS: tl.constexpr = 16 // BITS
+    shifts = (tl.arange(0, VALS) * BITS).to(tl.int16)
+    q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+    if FAST and tl.float16 == ACT_DTYPE:
+        v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q, exact
+        zf = (zero + 1024).to(tl.float16)
+        w = (v - zf[:, None]) * scale[:, None]
+    elif FAST and tl.bfloat16 == ACT_DTYPE:
+        v = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q, exact (4-bit only)
+        zf = (zero + 128).to(tl.bfloat16)
+        w = ((v - zf[:, None]).to(tl.float32) * scale.to(tl.float32)[:, None]).to(tl.bfloat16)
+    else:
+        w = ((q.to(tl.float32) - zero.to(tl.float32)[:, None]) * scale.to(tl.float32)[:, None]).to(ACT_DTYPE)
+    return w
+
+
+@triton.jit
+def _w13_kernel(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    perm_ptr,
+    inter_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_blocks_ptr,
+    topk_ids_ptr,
+    num_pairs,
+    num_pid_m,
+    N,
+    K,
+    group_len,
+    stride_x,
+    stride_qw_e,
+    stride_qw_n,
+    stride_s_e,
+    stride_s_g,
+    stride_inter,
+    TOP_K: tl.constexpr,
+    BITS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    FAST: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for the rows of one block and BLOCK_N channels."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if not DIRECT and pid_m >= tl.load(num_blocks_ptr):
+        return
+    pairs, row_mask, expert = _block_rows(
+        pid_m, sorted_pairs_ptr, block_experts_ptr, topk_ids_ptr, num_pairs, DIRECT, BLOCK_M
+    )
+    tokens = (pairs // TOP_K).to(tl.int64)
+    VALS: tl.constexpr = 16 // BITS
+    WORDS_K: tl.constexpr = BLOCK_K // VALS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, WORDS_K)
+    gate_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    up_ptrs = gate_ptrs + N * stride_qw_n
+    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
+    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + offs_k
+        k_mask = k_idx < K
+        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept explicit for the Triton compiler)
+            cols = tl.load(perm_ptr + expert * K + k_idx, mask=k_mask, other=0)
+        else:
+            cols = k_idx
+        a = tl.load(
+            x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
+        gate_words = tl.load(gate_ptrs + k0 // VALS, mask=w_mask, other=0)
+        up_words = tl.load(up_ptrs + k0 // VALS, mask=w_mask, other=0)
+        group = k0 // group_len
+        scale_gate = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
+        scale_up = tl.load(scale_ptrs + group * stride_s_g + N, mask=n_mask, other=0.0)
+        if HAS_ZEROS:
+            zero_gate = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
+            zero_up = tl.load(zero_ptrs + group * stride_s_g + N, mask=n_mask, other=0).to(tl.int32)
+        else:
+            zero_gate = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
+            zero_up = zero_gate
+        w_gate = _dequant(gate_words, scale_gate, zero_gate, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
+        acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate)
+        w_up = _dequant(up_words, scale_up, zero_up, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
+        acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * stride_inter + offs_n[None, :]
+    tl.store(out_ptrs, act.to(ACT_DTYPE), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _w2_kernel(
+    inter_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    topk_weights_ptr,
+    out_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_blocks_ptr,
+    topk_ids_ptr,
+    num_pairs,
+    num_pid_m,
+    N,
+    K,
+    group_len,
+    stride_inter,
+    stride_qw_e,
+    stride_qw_n,
+    stride_s_e,
+    stride_s_g,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BITS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    FAST: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if not DIRECT and pid_m >= tl.load(num_blocks_ptr):
+        return
+    pairs, row_mask, expert = _block_rows(
+        pid_m, sorted_pairs_ptr, block_experts_ptr, topk_ids_ptr, num_pairs, DIRECT, BLOCK_M
+    )
+    VALS: tl.constexpr = 16 // BITS
+    WORDS_K: tl.constexpr = BLOCK_K // VALS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, WORDS_K)
+    w_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    a_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * stride_inter + offs_k[None, :]
+    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
+    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
+        words = tl.load(w_ptrs + k0 // VALS, mask=w_mask, other=0)
+        group = k0 // group_len
+        scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
+        if HAS_ZEROS:
+            zero = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
+        else:
+            zero = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
+        w = _dequant(words, scale, zero, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
+        acc = tl.dot(a, tl.trans(w), acc)
+    route_w = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
+    acc = acc * route_w[:, None]
+    mask = row_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tokens = (pairs // TOP_K).to(tl.int64)
+        tl.atomic_add(out_ptr + tokens[:, None] * stride_out + offs_n[None, :], acc, mask=mask)
+    else:
+        tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :], acc.to(ACT_DTYPE), mask=mask)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _check_inputs(hidden_states: torch.Tensor, weights: MoeWeights, topk_ids: torch.Tensor, topk_weights) -> None:
+    """Turn shape/dtype/device mistakes into one-line RepackErrors before any kernel runs."""
+    if hidden_states.dtype not in _TL_DTYPES:
+        raise RepackError(
+            f"fused_moe: hidden_states dtype {hidden_states.dtype} is not supported; pass float16 or bfloat16"
+        )
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden_size:
+        raise RepackError(
+            f"fused_moe: hidden_states shape {list(hidden_states.shape)} does not match the stack's hidden size "
+            f"{weights.hidden_size}; pass [tokens, {weights.hidden_size}]"
+        )
+    m = hidden_states.shape[0]
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise RepackError(
+            f"fused_moe: topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both be "
+            f"[{m}, top_k] for {m} tokens"
+        )
+    if weights.bits not in (4, 8):
+        raise RepackError(f"fused_moe: {weights.bits}-bit weights are not supported; use a 4- or 8-bit stack")
+    group = weights.group_size
+    for name, k in (("hidden", weights.hidden_size), ("intermediate", weights.intermediate_size)):
+        if group != -1 and k % group:
+            raise RepackError(f"fused_moe: {name} size {k} is not a multiple of group size {group}")
+    tensors = [weights.w13_qweight, weights.w13_scales, weights.w2_qweight, weights.w2_scales, topk_ids]
+    if any(t.device != hidden_states.device for t in tensors):
+        raise RepackError(
+            f"fused_moe: weights, topk_ids and hidden_states must be on one device (hidden_states is on "
+            f"{hidden_states.device}); move them with .to(device)"
+        )
+
+
+def _launch(kernel, num_pid_m: int, n: int, args: list, constexprs: dict, config: dict, device) -> None:
+    """Launch over (row blocks x n tiles) with a config that fits the device's shared memory (shrunk at run
+    time if it does not; the grid follows the fitted BLOCK_N)."""
+
+    def launch(c: dict) -> None:
+        kernel[(num_pid_m * triton.cdiv(n, c["BLOCK_N"]),)](*args, **constexprs, **c)
+
+    fit_config(config, device, launch, kernel.fn.__name__)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    weights: MoeWeights,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[M, H]`` fp16/bf16 -> ``[M, H]`` same dtype: the routed experts' weighted sum for every token.
+
+    ``topk_ids`` [M, k] (int32 or int64, values in [0, E)), ``topk_weights`` [M, k] (any float dtype).
+    ``config`` overrides the tuned/heuristic kernel config (keys BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    num_warps, num_stages, and optionally DIRECT, REDUCE "pairs"|"atomic"). ``out`` receives the result.
+    """
+    _check_inputs(hidden_states, weights, topk_ids, topk_weights)
+    m, h = hidden_states.shape
+    top_k = topk_ids.shape[1]
+    n_inter = weights.intermediate_size
+    device = hidden_states.device
+    dtype = hidden_states.dtype
+    if out is None:
+        out = torch.empty(m, h, dtype=dtype, device=device)
+    if m == 0:
+        return out
+    cfg = dict(config) if config is not None else get_config(weights, m, top_k, dtype, device)
+    cfg = _fit_blocks(cfg, weights)
+    direct = bool(cfg.pop("DIRECT", False))
+    reduce = cfg.pop("REDUCE", "pairs")
+    if direct:
+        cfg["BLOCK_M"] = 16
+    num_pairs = m * top_k
+    x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    ids = topk_ids.contiguous()
+    route_w = topk_weights.to(torch.float32).contiguous()
+    if direct:
+        rows = Alignment(ids, ids, ids, 16)  # placeholders: direct mode reads only topk_ids
+        num_pid_m = num_pairs
+    else:
+        rows = align_pairs(ids, weights.num_experts, cfg["BLOCK_M"])
+        num_pid_m = rows.max_blocks
+    common = dict(
+        TOP_K=top_k,
+        BITS=weights.bits,
+        SYM_ZERO=1 << (weights.bits - 1),
+        DIRECT=direct,
+        HAS_ZEROS=weights.w13_zeros is not None,
+        FAST=not (dtype == torch.bfloat16 and weights.bits == 8),
+        ACT_DTYPE=_TL_DTYPES[dtype],
+    )
+    row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, ids, num_pairs, num_pid_m]
+    inter = torch.empty(num_pairs, n_inter, dtype=dtype, device=device)
+    w13_words = weights.w13_qweight.view(torch.int16)
+    zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
+    perm = weights.w13_perm if weights.w13_perm is not None else ids
+    args13 = [
+        x,
+        w13_words,
+        weights.w13_scales,
+        zeros13,
+        perm,
+        inter,
+        *row_args,
+        n_inter,
+        h,
+        _group_len(weights, h),
+        x.stride(0),
+        w13_words.stride(0),
+        w13_words.stride(1),
+        weights.w13_scales.stride(0),
+        weights.w13_scales.stride(1),
+        inter.stride(0),
+    ]
+    _launch(_w13_kernel, num_pid_m, n_inter, args13, {**common, "HAS_PERM": weights.w13_perm is not None}, cfg, device)
+
+    w2_words = weights.w2_qweight.view(torch.int16)
+    zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
+    atomic = reduce == "atomic"
+    if atomic:
+        target = torch.zeros(m, h, dtype=torch.float32, device=device)
+    elif top_k == 1 and out.is_contiguous():
+        target = out
+    else:
+        target = torch.empty(num_pairs, h, dtype=dtype, device=device)
+    args2 = [
+        inter,
+        w2_words,
+        weights.w2_scales,
+        zeros2,
+        route_w,
+        target,
+        *row_args,
+        h,
+        n_inter,
+        _group_len(weights, n_inter),
+        inter.stride(0),
+        w2_words.stride(0),
+        w2_words.stride(1),
+        weights.w2_scales.stride(0),
+        weights.w2_scales.stride(1),
+        target.stride(0),
+    ]
+    _launch(_w2_kernel, num_pid_m, h, args2, {**common, "ATOMIC": atomic}, cfg, device)
+    if atomic:
+        out.copy_(target)
+    elif target is not out:
+        torch.sum(target.view(m, top_k, h), dim=1, out=out)
+    return out
+
+
+def _group_len(weights: MoeWeights, k: int) -> int:
+    return k if weights.group_size == -1 else weights.group_size
+
+
+def _fit_blocks(cfg: dict, weights: MoeWeights) -> dict:
+    """BLOCK_K must divide the group (one scale row per K step); shrink it when a config says otherwise."""
+    group = weights.group_size
+    if group != -1:
+        while group % cfg["BLOCK_K"]:
+            cfg["BLOCK_K"] //= 2
+    cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 16)
+    return cfg

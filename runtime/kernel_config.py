@@ -1,0 +1,142 @@
+"""Kernel configs for the fused MoE: tuned JSON per device and shape, a heuristic otherwise, and a
+run-time guard that shrinks a config a device cannot hold.
+
+JSON files (vLLM style) live in ``runtime/configs/`` (or ``$REPACK_MOE_CONFIG_DIR``), named
+``E={experts},N={intermediate},device_name={device name, spaces as _}.json`` and map a token count M
+to ``{BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, DIRECT, REDUCE]}``; the entry with
+the nearest M is used. ``repack tune`` writes them (runtime/tune.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+from repack.errors import RepackError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("REPACK_MOE_CONFIG_DIR", CONFIG_DIR))
+
+
+def device_name(device: torch.device | str) -> str:
+    """The name used in config file names: ``NVIDIA_H200``; ``cpu`` without a GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(num_experts: int, intermediate_size: int, name: str) -> str:
+    return f"E={num_experts},N={intermediate_size},device_name={name}.json"
+
+
+def direct_mode(num_pairs: int, num_experts: int) -> bool:
+    """Decode: one block per (token, k) pair beats an alignment launch while pairs rarely share experts."""
+    return num_pairs <= max(8, num_experts // 4)
+
+
+def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    """A safe config for untuned shapes: small tiles that stream weights at decode, big tiles at prefill."""
+    num_pairs = num_tokens * top_k
+    per_expert = num_pairs / max(1, num_experts)
+    if direct_mode(num_pairs, num_experts):
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, DIRECT=True)
+    if per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
+    if per_expert <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+HEURISTIC_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def heuristic_configs() -> list[dict]:
+    """Every distinct config the heuristic can return (for the sm_90 compile test)."""
+    seen: dict[str, dict] = {}
+    for m in HEURISTIC_TOKEN_COUNTS:
+        for top_k, experts in ((8, 64), (4, 60), (1, 8), (2, 160)):
+            cfg = heuristic_config(m, top_k, experts)
+            seen[json.dumps(cfg, sort_keys=True)] = cfg
+    return list(seen.values())
+
+
+@functools.lru_cache(maxsize=64)
+def load_configs(num_experts: int, intermediate_size: int, name: str) -> dict[int, dict] | None:
+    """The tuned table for a shape and device, or None; a malformed file is a RepackError."""
+    path = config_dir() / config_file_name(num_experts, intermediate_size, name)
+    if not path.exists():
+        return None
+    try:
+        table = {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
+    except (ValueError, AttributeError) as exc:
+        raise RepackError(f"{path}: not a JSON object of M -> config ({exc}); re-run `repack tune`") from exc
+    for m, cfg in table.items():
+        missing = [k for k in CONFIG_KEYS if k not in cfg]
+        if missing:
+            raise RepackError(f"{path}: entry M={m} lacks {', '.join(missing)}; re-run `repack tune`")
+    return table
+
+
+def get_config(weights, num_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tuned config of the nearest M for this device and shape, else the heuristic's."""
+    del dtype  # one table serves fp16 and bf16 (same bytes and tiles)
+    table = load_configs(weights.num_experts, weights.intermediate_size, device_name(device))
+    if not table:
+        return heuristic_config(num_tokens, top_k, weights.num_experts)
+    nearest = min(table, key=lambda m: abs(m - num_tokens))
+    return dict(table[nearest])
+
+
+def shrink_config(cfg: dict) -> dict | None:
+    """A config that needs less shared memory (fewer stages, then smaller K and N tiles), or None."""
+    smaller = dict(cfg)
+    if smaller["num_stages"] > 2:
+        smaller["num_stages"] -= 1
+    elif smaller["BLOCK_K"] > 32:
+        smaller["BLOCK_K"] //= 2
+    elif smaller["BLOCK_N"] > 32:
+        smaller["BLOCK_N"] //= 2
+    elif smaller["num_stages"] > 1:
+        smaller["num_stages"] = 1
+    else:
+        return None
+    return smaller
+
+
+_FITTED: dict[tuple, dict] = {}
+
+
+def fit_config(cfg: dict, device: torch.device, launch: Callable[[dict], object], kernel_name: str = "") -> dict:
+    """Run ``launch(cfg)``; if the device lacks the shared memory it needs, retry with smaller configs.
+
+    The config that worked is remembered per (kernel, device, config), so the fallback costs one failed
+    compile per process, and CUDA-graph replays never see it.
+    """
+    key = (kernel_name, str(device), tuple(sorted(cfg.items())))
+    current = _FITTED.get(key, cfg)
+    while True:
+        try:
+            launch(current)
+        except OutOfResources as exc:
+            smaller = shrink_config(current)
+            if smaller is None:
+                raise RepackError(
+                    f"fused_moe: no config fits the shared memory of {device} ({exc}); report the device name"
+                ) from exc
+            current = smaller
+            continue
+        _FITTED[key] = current
+        return current

@@ -1,0 +1,123 @@
+"""Compile every shipped and heuristic kernel config for sm_90 (H100/H200) on the CPU.
+
+The interpreter accepts code the GPU compiler may reject, and a config that needs more shared memory
+than Hopper's opt-in maximum (232448 bytes) would raise OutOfResources at the first launch. Triton's
+nvidia backend (with the ptxas its wheel ships) compiles for ``GPUTarget("cuda", 90, 32)`` without a
+GPU. It runs in a subprocess because the test session sets TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SM90_SHARED_LIMIT = 232448  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
+
+
+def all_configs() -> list[dict]:
+    """Every config shipped in runtime/configs/*.json plus every config the heuristic returns."""
+    from repack.runtime.kernel_config import CONFIG_DIR, heuristic_configs
+
+    configs = {json.dumps(c, sort_keys=True): c for c in heuristic_configs()}
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        for cfg in json.loads(path.read_text()).values():
+            configs[json.dumps(cfg, sort_keys=True)] = cfg
+    return list(configs.values())
+
+
+def _signature(kernel, pointer_types: dict[str, str], constexprs: dict) -> dict[str, str]:
+    return {name: "constexpr" if name in constexprs else pointer_types.get(name, "i32") for name in kernel.arg_names}
+
+
+def _compile(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    signature = _signature(kernel, pointer_types, constexprs)
+    # Pointers and strides are 16-byte aligned at run time; say so, as the JIT's specialisation does.
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(kernel.arg_names)
+        if n.endswith("_ptr") or n.startswith("stride")
+    }
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+
+
+def compile_config(cfg: dict, act: str, variant: str) -> dict[str, int]:
+    """Compile w13 and w2 for one config; returns shared memory bytes per kernel."""
+    import triton.language as tl
+
+    from repack.runtime.fused_moe import _w2_kernel, _w13_kernel
+
+    direct = bool(cfg.get("DIRECT", False))
+    tiles = dict(
+        BLOCK_M=16 if direct else cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"]
+    )
+    asym = variant == "asym_actorder"
+    common = dict(
+        TOP_K=8, BITS=4, SYM_ZERO=8, DIRECT=direct, HAS_ZEROS=asym, FAST=True, ACT_DTYPE=getattr(tl, act), **tiles
+    )
+    ptr = {"fp16": "*fp16", "bf16": "*bf16"}["bf16" if act == "bfloat16" else "fp16"]
+    types = dict(
+        x_ptr=ptr,
+        inter_ptr=ptr,
+        out_ptr=ptr,
+        qw_ptr="*i16",
+        scales_ptr="*fp16",
+        zeros_ptr="*u8" if asym else "*fp16",
+        perm_ptr="*i32",
+        sorted_pairs_ptr="*i32",
+        block_experts_ptr="*i32",
+        num_blocks_ptr="*i32",
+        topk_ids_ptr="*i32",
+        topk_weights_ptr="*fp32",
+    )
+    shared = {}
+    w13 = _compile(_w13_kernel, types, {**common, "HAS_PERM": asym}, cfg["num_warps"], cfg["num_stages"])
+    shared["w13"] = w13.metadata.shared
+    atomic = cfg.get("REDUCE") == "atomic"
+    types2 = dict(types, out_ptr="*fp32" if atomic else ptr)
+    w2 = _compile(_w2_kernel, types2, {**common, "ATOMIC": atomic}, cfg["num_warps"], cfg["num_stages"])
+    shared["w2"] = w2.metadata.shared
+    return shared
+
+
+def _worker() -> None:
+    """Subprocess entry: compile all configs, print one JSON line per (config, variant)."""
+    for cfg in all_configs():
+        for act, variant in (("float16", "sym"), ("bfloat16", "asym_actorder")):
+            print(
+                json.dumps(
+                    {"config": cfg, "act": act, "variant": variant, "shared": compile_config(cfg, act, variant)}
+                ),
+                flush=True,
+            )
+
+
+def test_nvidia_backend_ships_ptxas():
+    import triton.backends.nvidia
+
+    assert (Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas").exists()
+
+
+@pytest.mark.slow
+def test_every_config_compiles_for_sm90_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2 * len(all_configs())
+    too_big = [r for r in results if max(r["shared"].values()) > SM90_SHARED_LIMIT]
+    assert not too_big, too_big
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()
