@@ -1,0 +1,64 @@
+"""``repack inspect OUT``: what a converted checkpoint holds, as rich tables (no tensor data read)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+
+from repack.formats.checkpoint import read_repack_config
+from repack.formats.repack_v1 import MANIFEST_FILE
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
+def inspect_output(out: str | Path) -> Group:
+    """Summary table (format, model, provenance, sizes) and one row per expert stack."""
+    out = Path(out)
+    config, stacks = read_repack_config(out)
+    quant = config["quantization_config"]
+    manifest_path = out / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    source = manifest.get("source") or {}
+    outputs = manifest.get("output_files") or {}
+
+    summary = Table(title=f"{out}", show_header=False)
+    summary.add_column("key", style="bold")
+    summary.add_column("value", overflow="fold")
+    rows = [
+        ("format", f"{quant.get('format')} v{quant.get('format_version')}"),
+        ("architecture", f"{config.get('model_type')} ({', '.join(config.get('architectures') or [])})"),
+        ("layers", str(config.get("num_hidden_layers"))),
+        ("MoE layers", str(len({s.prefix.rsplit(".", 1)[0] for s in stacks}))),
+        ("stacks", f"{len(stacks)} ({sum(s.num_experts for s in stacks)} stacked experts)"),
+        ("quantization", f"{quant.get('bits')}-bit, group {quant.get('group_size')}, sym={quant.get('sym')}"),
+        ("source", source.get("repo_id") or source.get("path") or "?"),
+        ("revision", source.get("revision") or "-"),
+        ("converter", manifest.get("converter_version", "?")),
+        ("created", manifest.get("created", "?")),
+        ("size", f"{_size(sum(f['size'] for f in outputs.values()))} in {len(outputs)} files"),
+    ]
+    for key, value in rows:
+        summary.add_row(key, value)
+
+    table = Table(title="expert stacks")
+    for column in ("prefix", "kind", "E", "H", "I", "bits", "group", "sym", "zeros", "act-order w13/w2"):
+        table.add_column(column, overflow="fold")
+    for s in stacks:
+        table.add_row(
+            s.prefix,
+            s.kind,
+            str(s.num_experts),
+            str(s.hidden_size),
+            str(s.intermediate_size),
+            str(s.bits),
+            str(s.group_size),
+            str(s.sym),
+            s.checkpoint_format,
+            f"{s.act_order_w13}/{s.act_order_w2}",
+        )
+    return Group(summary, table)

@@ -1,0 +1,291 @@
+"""The conversion as data: every output tensor, the source tensors it comes from, grouped per layer.
+
+Building a :class:`Plan` reads only safetensors headers and the small ``g_idx`` tensors (to decide
+act-order), and validates every expert linear's shapes with ``check_linear``; nothing large is loaded.
+``repack convert --dry-run`` prints :meth:`Plan.describe`, and :mod:`repack.convert` executes it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from rich.table import Table
+
+from repack.errors import RepackError
+from repack.families import MoeLayer, detect_family, find_moe_layers
+from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader
+from repack.formats.gptq import GptqLinear, GptqScheme, check_linear
+from repack.formats.repack_v1 import INDEX_FILE, MANIFEST_FILE, ROUTED, SHARED, StackInfo, plan_flags
+from repack.quant_config import QuantConfig, parse_quant_config
+from repack.source import SourceCheckpoint
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+_OUTPUT_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.partial)?$")
+_ELEMENT_SIZE = {"int32": 4, "float16": 2, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class CopyTensor:
+    """An output tensor copied byte for byte from the source."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code
+    source_file: str
+    nbytes: int
+
+
+@dataclass
+class PackStack:
+    """One expert stack: the source expert linears -> the stack's tensors (formats/SPEC.md section 3)."""
+
+    info: StackInfo
+    sources: list[str]
+    outputs: dict[str, tuple[list[int], str]]  # name -> (shape, dtype name)
+    source_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for shape, dtype in self.outputs.values():
+            count = _ELEMENT_SIZE[dtype]
+            for dim in shape:
+                count *= dim
+            total += count
+        return total
+
+
+Step = CopyTensor | PackStack
+
+
+@dataclass
+class LayerGroup:
+    """The steps of one decoder layer (or of the tensors outside the layers), executed together."""
+
+    label: str
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(step.nbytes for step in self.steps)
+
+
+@dataclass
+class Plan:
+    source: SourceCheckpoint
+    quant: QuantConfig
+    family: str
+    groups: list[LayerGroup]
+    weight_files: list[str]
+    files_to_copy: list[str]
+
+    @property
+    def stacks(self) -> list[StackInfo]:
+        return [step.info for group in self.groups for step in group.steps if isinstance(step, PackStack)]
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(group.nbytes for group in self.groups)
+
+    def copied_file_bytes(self) -> int:
+        return sum((self.source.path / name).stat().st_size for name in self.files_to_copy)
+
+    def describe(self) -> Table:
+        """Every output tensor with its shape, dtype, size and sources, then the copied files and totals."""
+        table = Table(title=f"repack plan: {self.source.label} ({self.family})", show_lines=False)
+        for column in ("layer", "output tensor", "shape", "dtype", "size", "from"):
+            table.add_column(column, overflow="fold")
+        tensors = 0
+        for group in self.groups:
+            for step in group.steps:
+                if isinstance(step, CopyTensor):
+                    table.add_row(group.label, step.name, str(list(step.shape)), step.dtype, _size(step.nbytes), "copy")
+                    tensors += 1
+                    continue
+                origin = _describe_sources(step)
+                for name, (shape, dtype) in step.outputs.items():
+                    count = _ELEMENT_SIZE[dtype]
+                    for dim in shape:
+                        count *= dim
+                    table.add_row(group.label, name, str(shape), dtype, _size(count), origin)
+                    tensors += 1
+        for name in self.files_to_copy:
+            table.add_row("file", name, "", "", _size((self.source.path / name).stat().st_size), "copy")
+        table.add_row("file", CONFIG_FILE, "", "", "", "rewritten (quantization_config)")
+        table.add_row("file", INDEX_FILE + ", " + MANIFEST_FILE, "", "", "", "written")
+        stacks = self.stacks
+        table.caption = (
+            f"{tensors} tensors, {_size(self.output_bytes)} of weights; {len(stacks)} stacks "
+            f"({sum(s.num_experts for s in stacks)} stacked experts), {len(self.files_to_copy)} files copied"
+        )
+        return table
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _describe_sources(step: PackStack) -> str:
+    modules = step.info.source_modules
+    first, last = modules[0][0], modules[-1][-1]
+    chunks = f", {step.info.num_experts} chunks" if step.info.kind == SHARED else ""
+    return f"{len(step.sources)} tensors of {len(modules)} expert(s){chunks}: {first} .. {last}"
+
+
+def build_plan(source: SourceCheckpoint, reader: CheckpointReader) -> Plan:
+    """Plan the conversion of ``source``; raises :class:`RepackError` for anything it cannot convert."""
+    where = str(source.path / (source.quantization_config_file or CONFIG_FILE))
+    quant = parse_quant_config(source.quantization_config, where)
+    family = detect_family(source.config, str(source.path / CONFIG_FILE))
+    layers = find_moe_layers(family, source.config, reader.names(), str(source.path))
+    stacks_by_layer: dict[int, list[PackStack]] = {}
+    consumed: set[str] = set()
+    for layer in layers:
+        stacks_by_layer[layer.layer] = _layer_stacks(layer, quant, reader)
+        consumed |= layer.consumed
+    groups: dict[str, LayerGroup] = {}
+    order: list[tuple[int, str]] = []
+    for name in reader.names():
+        if name in consumed:
+            continue
+        match = _LAYER_INDEX.search(name)
+        label = f"layer {match[1]}" if match else "other"
+        if label not in groups:
+            groups[label] = LayerGroup(label)
+            order.append((int(match[1]) if match else -1, label))
+        entry = reader.entry(name)
+        groups[label].steps.append(CopyTensor(name, entry.shape, entry.dtype, entry.file, entry.nbytes))
+    for index, stacks in stacks_by_layer.items():
+        label = f"layer {index}"
+        if label not in groups:
+            groups[label] = LayerGroup(label)
+            order.append((index, label))
+        groups[label].steps.extend(stacks)
+    for group in groups.values():
+        copies = sorted((s for s in group.steps if isinstance(s, CopyTensor)), key=lambda s: s.name)
+        group.steps = copies + [s for s in group.steps if isinstance(s, PackStack)]
+    skip = {*reader.files, INDEX_FILE, CONFIG_FILE, MANIFEST_FILE}
+    # Stray weight files the index does not name would collide with (or pass for) our output shards.
+    skip |= {f for f in source.files if _OUTPUT_WEIGHT_FILE.match(f)}
+    return Plan(
+        source=source,
+        quant=quant,
+        family=family.name,
+        groups=[groups[label] for _, label in sorted(order)],
+        weight_files=list(reader.files),
+        files_to_copy=[f for f in source.files if f not in skip],
+    )
+
+
+def _header_linear(reader: CheckpointReader, module: str) -> GptqLinear:
+    """A GPTQ linear whose big tensors are shape-only (meta) and whose g_idx is loaded (it is small)."""
+
+    def meta(suffix: str) -> torch.Tensor:
+        entry = reader.entry(f"{module}.{suffix}")
+        return torch.empty(entry.shape, dtype=entry.torch_dtype, device="meta")
+
+    g_idx_name = f"{module}.g_idx"
+    g_idx = reader.get(g_idx_name) if g_idx_name in reader else None
+    return GptqLinear(qweight=meta("qweight"), qzeros=meta("qzeros"), scales=meta("scales"), g_idx=g_idx)
+
+
+def _stack_scheme(quant: QuantConfig, triples: list[tuple[str, str, str]], prefix: str) -> GptqScheme:
+    schemes = {}
+    for module in (m for triple in triples for m in triple):
+        scheme = quant.scheme_for(module)
+        if scheme is None:
+            raise RepackError(
+                f"{quant.where}: {module} holds GPTQ tensors but the config marks it not quantized "
+                "(dynamic '-:' or modules_in_block_to_quantize); fix the quantization config"
+            )
+        schemes.setdefault(scheme, module)
+    if len(schemes) > 1:
+        (a, ma), (b, mb) = list(schemes.items())[:2]
+        raise RepackError(
+            f"{quant.where}: experts of {prefix} use different schemes ({ma}: {a}; {mb}: {b}); one stack needs "
+            "one scheme, fix the dynamic overrides"
+        )
+    return next(iter(schemes))
+
+
+def _checked_experts(
+    reader: CheckpointReader, triples: list[tuple[str, str, str]], scheme: GptqScheme
+) -> tuple[list[tuple[GptqLinear, GptqLinear, GptqLinear]], int, int]:
+    """Header linears of every expert, shape-checked against each other; returns (linears, H, I)."""
+    experts = []
+    hidden = inter = None
+    for triple in triples:
+        linears = tuple(_header_linear(reader, module) for module in triple)
+        for module, linear in zip(triple, linears, strict=True):
+            check_linear(module, linear, scheme)
+        gate, up, down = linears
+        if hidden is None:
+            hidden, inter = gate.in_features(scheme), gate.out_features
+        expected = ((hidden, inter), (hidden, inter), (inter, hidden))
+        for module, linear, (k, n) in zip(triple, linears, expected, strict=True):
+            if (linear.in_features(scheme), linear.out_features) != (k, n):
+                raise RepackError(
+                    f"misshapen expert tensor {module}.qweight: {list(linear.qweight.shape)} is a "
+                    f"{linear.in_features(scheme)}x{linear.out_features} linear, but {triple[0].rsplit('.', 2)[0]} "
+                    f"and its siblings need {k}x{n} ({triples[0][0]} sets H={hidden}, I={inter}); re-export it"
+                )
+        experts.append(linears)
+    return experts, hidden, inter
+
+
+def _stack(
+    reader: CheckpointReader,
+    quant: QuantConfig,
+    prefix: str,
+    kind: str,
+    triples: list[tuple[str, str, str]],
+    consumed: set[str],
+) -> PackStack:
+    scheme = _stack_scheme(quant, triples, prefix)
+    experts, hidden, inter = _checked_experts(reader, triples, scheme)
+    act_w13, act_w2, has_g_idx = plan_flags(triples, experts, scheme)
+    info = StackInfo(
+        prefix=prefix,
+        kind=kind,
+        num_experts=len(triples),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        bits=scheme.bits,
+        group_size=scheme.group_size,
+        sym=scheme.sym,
+        checkpoint_format=scheme.checkpoint_format,
+        act_order_w13=act_w13,
+        act_order_w2=act_w2,
+        has_g_idx=has_g_idx,
+        source_modules=[list(t) for t in triples],
+    )
+    sources = sorted(name for name in consumed if any(name.startswith(m + ".") for t in triples for m in t))
+    source_bytes = sum(reader.entry(name).nbytes for name in sources)
+    return PackStack(info=info, sources=sources, outputs=info.tensor_shapes(), source_bytes=source_bytes)
+
+
+def shared_chunks(shared_inter: int, routed_inter: int, group_size: int) -> int:
+    """C pseudo-experts of the routed size when I_s is a multiple of I and I a multiple of the group."""
+    if group_size == -1 or shared_inter % routed_inter or routed_inter % group_size:
+        return 1
+    return shared_inter // routed_inter
+
+
+def _layer_stacks(layer: MoeLayer, quant: QuantConfig, reader: CheckpointReader) -> list[PackStack]:
+    routed = _stack(reader, quant, layer.routed_prefix, ROUTED, layer.routed, layer.consumed)
+    stacks = [routed]
+    if layer.shared is not None:
+        shared = _stack(reader, quant, layer.shared_prefix, SHARED, [layer.shared], layer.consumed)
+        info = shared.info
+        chunks = shared_chunks(info.intermediate_size, routed.info.intermediate_size, info.group_size)
+        if chunks > 1:
+            info.num_experts = chunks
+            info.intermediate_size //= chunks
+            shared.outputs = info.tensor_shapes()
+        stacks.append(shared)
+    return stacks

@@ -1,0 +1,611 @@
+"""`repack push`: publish a converted checkpoint folder to the Hugging Face Hub, with a generated model card.
+
+The flow, top to bottom:
+1. `check_hub_access`: find the token (argument, `HF_TOKEN`, cached login) and ask the Hub who it belongs
+   to, so a missing or rejected token fails in a second, not after hashing gigabytes (and, for
+   `repack convert --push`, before converting at all).
+2. `plan_push`: local only. Reads `repack_manifest.json`, verifies every output file's size and sha256
+   against it, renders the card and decides whether OUT/README.md may be (re)written. `--dry-run` stops
+   here and prints the plan.
+3. `create_repo(exist_ok=True)`, then one `upload_folder` restricted to the verified files. huggingface_hub
+   2.x resumes an interrupted `upload_folder` by itself; with `--create-pr` we find the open PR this tool
+   opened for the same checkpoint (its title is our commit message) and upload to `refs/pr/N` again, since
+   `create_pr=True` would open a second PR.
+
+Every Hub failure becomes a one-line `RepackError` (`hub_error`). The Hub client is injectable (`api`) so
+the tests run without network and assert the exact calls.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+import yaml
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+from huggingface_hub.utils import validate_repo_id
+from rich.console import Console
+from rich.table import Table
+
+from repack.card import is_generated_card, render_model_card
+from repack.errors import RepackError
+from repack.formats.checkpoint import hash_file
+
+MANIFEST_NAME = "repack_manifest.json"
+CONFIG_NAME = "config.json"
+CARD_NAME = "README.md"
+KNOWN_FORMAT = "repack-moe"
+KNOWN_FORMAT_VERSIONS = (1,)
+DEFAULT_BRANCH = "main"
+PUSHING = "pushing to"
+
+
+@dataclass(frozen=True)
+class HubAccess:
+    """Who the token belongs to and where it may write: checked once, before any long local work."""
+
+    token: str
+    user: str
+    orgs: tuple[str, ...]
+
+    def full_repo_id(self, repo_id: str) -> str:
+        """`name` alone means the user's own namespace, as on the Hub website."""
+        return repo_id if "/" in repo_id else f"{self.user}/{repo_id}"
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    """One file that goes to the Hub, by its name relative to OUT."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """Everything a push will do, decided locally: what `--dry-run` prints."""
+
+    out_dir: Path
+    repo_id: str
+    files: tuple[UploadFile, ...]
+    not_uploaded: tuple[str, ...]
+    card: str
+    write_card: bool
+    commit_message: str
+    commit_description: str
+
+    @property
+    def allow_patterns(self) -> list[str]:
+        """Exactly the verified files (escaped, since Hub patterns are globs): nothing else in OUT leaves."""
+        return [glob.escape(upload.name) for upload in self.files]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(upload.size for upload in self.files)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    plan: PushPlan
+    dry_run: bool
+    revision: str | None = None
+    commit_url: str | None = None
+    pr_url: str | None = None
+
+
+def resolve_token(token: str | None) -> str:
+    """The explicit token, else huggingface_hub's own lookup (`HF_TOKEN`, then the cached `hf auth login`)."""
+    found = token or get_token()
+    if not found:
+        raise RepackError(
+            "no Hugging Face token found for pushing: run `hf auth login` or set HF_TOKEN "
+            "(a token with write access, https://huggingface.co/settings/tokens)"
+        )
+    return found
+
+
+def check_hub_access(repo_id: str, *, token: str | None = None, api: HfApi | None = None) -> HubAccess:
+    """Fail fast on a missing, invalid or read-only token, or no network. `repack convert --push` calls this
+    before converting so a long conversion never ends in an authentication error."""
+    resolved = resolve_token(token)
+    api = api if api is not None else HfApi()
+    try:
+        identity = api.whoami(token=resolved)
+    except Exception as error:
+        _raise_as_hub_error(error, repo_id, "checking the token for")
+    user = identity.get("name")
+    if not user:
+        raise RepackError(f"the Hub did not say whom the token belongs to while pushing {repo_id}: re-run later")
+    role = ((identity.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise RepackError(
+            f"the token of user '{user}' is read-only and cannot push {repo_id}: "
+            "create a token with write access at https://huggingface.co/settings/tokens"
+        )
+    orgs = tuple(org["name"] for org in identity.get("orgs") or [] if org.get("name"))
+    access = HubAccess(token=resolved, user=user, orgs=orgs)
+    _validate_repo_id(access.full_repo_id(repo_id))
+    return access
+
+
+def plan_push(
+    out_dir: Path,
+    repo_id: str,
+    *,
+    force: bool = False,
+    speed_table: Path | None = None,
+) -> PushPlan:
+    """Verify OUT against its manifest and decide what to upload. Touches no network and writes nothing."""
+    out_dir = Path(out_dir)
+    _validate_repo_id(repo_id)
+    manifest, manifest_bytes = _read_manifest(out_dir)
+    config = _read_config(out_dir)
+    verified = verify_output_files(out_dir, manifest)
+    existing_card = _read_existing_card(out_dir)
+    card = render_model_card(
+        manifest,
+        config,
+        repo_id=repo_id,
+        speed_table=_read_speed_table(speed_table),
+        license=_card_license(existing_card),
+    )
+    write_card = _may_write_card(out_dir, existing_card, card, manifest, force)
+    card_upload = UploadFile(CARD_NAME, len(card.encode("utf-8")))
+    manifest_upload = UploadFile(MANIFEST_NAME, len(manifest_bytes))
+    files = (*verified, manifest_upload, card_upload)
+    uploaded_names = {upload.name for upload in files}
+    return PushPlan(
+        out_dir=out_dir,
+        repo_id=repo_id,
+        files=files,
+        not_uploaded=tuple(name for name in _files_in(out_dir) if name not in uploaded_names),
+        card=card,
+        write_card=write_card,
+        commit_message=_commit_message(manifest, manifest_bytes),
+        commit_description=_commit_description(manifest),
+    )
+
+
+def push_checkpoint(
+    out_dir: Path,
+    repo_id: str,
+    *,
+    api: HfApi | None = None,
+    private: bool = False,
+    revision: str = DEFAULT_BRANCH,
+    create_pr: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    speed_table: Path | None = None,
+    token: str | None = None,
+    access: HubAccess | None = None,
+) -> PushResult:
+    """Push OUT to `repo_id`: plan (verify + card), then create the repo and upload the verified files.
+
+    `access` comes from an earlier `check_hub_access` (so `convert --push` does not ask the Hub twice).
+    """
+    if create_pr and revision != DEFAULT_BRANCH:
+        raise RepackError(
+            f"--create-pr opens a pull request against the default branch of {repo_id}, "
+            f"so it cannot be combined with --revision {revision}: drop one of the two"
+        )
+    if dry_run:
+        return PushResult(plan=plan_push(out_dir, repo_id, force=force, speed_table=speed_table), dry_run=True)
+
+    api = api if api is not None else HfApi()
+    access = access if access is not None else check_hub_access(repo_id, token=token, api=api)
+    full_id = access.full_repo_id(repo_id)
+    plan = plan_push(out_dir, full_id, force=force, speed_table=speed_table)
+    if plan.write_card:
+        _write_card(plan)
+    try:
+        return _upload(api, plan, access, private=private, revision=revision, create_pr=create_pr)
+    except RepackError:
+        raise
+    except Exception as error:
+        _raise_as_hub_error(error, full_id, PUSHING, access)
+
+
+def push_after_convert(
+    out_dir: Path,
+    repo_id: str,
+    access: HubAccess,
+    *,
+    api: HfApi | None = None,
+    private: bool = False,
+    revision: str = DEFAULT_BRANCH,
+    create_pr: bool = False,
+    speed_table: Path | None = None,
+    console: Console | None = None,
+) -> PushResult:
+    """What `repack convert SRC OUT --push REPO` runs once OUT is complete.
+
+    Call `check_hub_access(REPO, token=...)` before converting and pass its result here. The converter
+    copies the source's README.md into OUT unchanged (its checksum is in the manifest), so the generated
+    card replaces it without `--force`.
+    """
+    result = push_checkpoint(
+        out_dir,
+        repo_id,
+        api=api,
+        private=private,
+        revision=revision,
+        create_pr=create_pr,
+        speed_table=speed_table,
+        access=access,
+    )
+    print_result(result, console or Console())
+    return result
+
+
+def push_command(
+    out_dir: Annotated[Path, typer.Argument(help="A folder written by `repack convert`.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repo to push to, e.g. myorg/Qwen2-57B-A14B-repack.")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repo as private.")] = False,
+    revision: Annotated[str, typer.Option("--revision", help="Branch to push to (created if missing).")] = (
+        DEFAULT_BRANCH
+    ),
+    create_pr: Annotated[
+        bool, typer.Option("--create-pr", help="Push into a pull request (re-running resumes the same PR).")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print files, sizes and the card; no network, no writes.")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a README.md edited by hand in OUT.")] = False,
+    speed_table: Annotated[
+        Path | None, typer.Option("--speed-table", help="Markdown file with measured speeds, put in the card.")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", help="Hub token (default: HF_TOKEN, then the cached login).")
+    ] = None,
+) -> None:
+    """Upload a converted checkpoint to the Hugging Face Hub with a generated model card."""
+    try:
+        result = push_checkpoint(
+            out_dir,
+            repo_id,
+            private=private,
+            revision=revision,
+            create_pr=create_pr,
+            dry_run=dry_run,
+            force=force,
+            speed_table=speed_table,
+            token=token,
+        )
+    except RepackError as error:  # one line and a non-zero exit, however the CLI registers this command
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        raise typer.Exit(error.exit_code) from None
+    print_result(result, Console())
+
+
+def print_result(result: PushResult, console: Console) -> None:
+    """Dry run: the files, their sizes and the card. Real push: where it went."""
+    plan = result.plan
+    if not result.dry_run:
+        where = result.pr_url or result.commit_url or f"https://huggingface.co/{plan.repo_id}"
+        console.print(
+            f"pushed {len(plan.files)} files ({_human_size(plan.total_bytes)}) to {plan.repo_id}"
+            f" @ {result.revision}: {where}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
+    table = Table(title=f"dry run: would upload to {plan.repo_id}")
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for upload in plan.files:
+        table.add_row(upload.name, _human_size(upload.size))
+    table.add_row(f"{len(plan.files)} files", _human_size(plan.total_bytes))
+    console.print(table)
+    if plan.not_uploaded:
+        skipped = ", ".join(plan.not_uploaded)
+        console.print(f"not uploaded (not in the manifest): {skipped}", markup=False, soft_wrap=True)
+    card_note = "would write" if plan.write_card else "unchanged"
+    console.print(f"{CARD_NAME} ({card_note}):", markup=False)
+    console.print(plan.card, markup=False, highlight=False, soft_wrap=True)  # exact text, never re-wrapped
+
+
+def verify_output_files(out_dir: Path, manifest: dict) -> list[UploadFile]:
+    """Check every file the manifest lists (except README.md, which push owns) by size and sha256.
+
+    A push must never publish a checkpoint that changed since conversion; the error names the file.
+    """
+    entries = manifest.get("output_files")
+    if not isinstance(entries, dict) or not entries:
+        raise RepackError(
+            f"{out_dir / MANIFEST_NAME} lists no output_files: re-run `repack convert` to rewrite the folder"
+        )
+    verified = []
+    for name in sorted(entries):
+        if name == CARD_NAME:
+            continue
+        entry = entries[name]
+        path = _contained_path(out_dir, name)
+        if not path.is_file():
+            raise RepackError(
+                f"{path} is listed in {MANIFEST_NAME} but missing: re-run `repack convert` or restore the file"
+            )
+        size = path.stat().st_size
+        if size != entry.get("size"):
+            raise RepackError(
+                f"{path} has {size} bytes but {MANIFEST_NAME} says {entry.get('size')}: the file changed "
+                "or is truncated; re-run `repack convert`"
+            )
+        if hash_file(path)[0] != entry.get("sha256"):
+            raise RepackError(
+                f"{path} does not match its sha256 in {MANIFEST_NAME}: the file changed or is corrupt; "
+                "re-run `repack convert`"
+            )
+        verified.append(UploadFile(name, size))
+    return verified
+
+
+def find_resumable_pr(api: HfApi, repo_id: str, access: HubAccess, title: str) -> str | None:
+    """`refs/pr/N` of an open (or draft) PR that this user opened for this very checkpoint, if any.
+
+    The title is the commit message, which names the manifest's checksum: another checkpoint's PR is
+    never reused.
+    """
+    discussions = api.get_repo_discussions(
+        repo_id, author=access.user, discussion_type="pull_request", token=access.token
+    )
+    for discussion in discussions:
+        if discussion.is_pull_request and discussion.status in ("open", "draft") and discussion.title == title:
+            return discussion.git_reference
+    return None
+
+
+def hub_error(error: BaseException, repo_id: str, action: str, access: HubAccess | None = None) -> Exception:
+    """Translate what huggingface_hub raises into one line: what failed, for which repo, what to do.
+
+    Returns the error unchanged when it is not a Hub or network problem (a bug must keep its traceback).
+    """
+    if isinstance(error, OfflineModeIsEnabled):
+        return RepackError(f"HF_HUB_OFFLINE is set, so {repo_id} cannot be pushed: unset it and re-run")
+    if isinstance(error, HfHubHTTPError) and getattr(error, "response", None) is not None:
+        return _http_error(error, repo_id, action, access)
+    if _is_network_error(error):
+        resume = "; the upload resumes where it stopped" if action == PUSHING else ""
+        return RepackError(
+            f"cannot reach the Hugging Face Hub while {action} {repo_id} ({type(error).__name__}): "
+            f"check the network or proxy and re-run{resume}"
+        )
+    return error
+
+
+def _raise_as_hub_error(error: Exception, repo_id: str, action: str, access: HubAccess | None = None) -> NoReturn:
+    """Re-raise inside an `except` block: as a one-line RepackError, or unchanged when it is not a Hub error."""
+    translated = hub_error(error, repo_id, action, access)
+    if translated is error:
+        raise error
+    raise translated from error
+
+
+def _http_error(error: HfHubHTTPError, repo_id: str, action: str, access: HubAccess | None) -> RepackError:
+    status = error.response.status_code
+    if status == 401:
+        return RepackError(
+            f"the Hub rejected the token (401 Unauthorized) while {action} {repo_id}: "
+            "run `hf auth login` again or set a valid HF_TOKEN"
+        )
+    if status in (403, 409):
+        who = f"user '{access.user}'" if access else "this token"
+        yours = ", ".join((access.user, *access.orgs)) if access else "your own namespace"
+        return RepackError(
+            f"{who} may not write to {repo_id} ({status} {error.response.reason_phrase}): the name belongs to "
+            f"someone else or the token lacks write access; push to a repo under {yours}"
+        )
+    if status == 404:
+        return RepackError(
+            f"{repo_id} or its revision was not found (404) while {action} it: check the repo id and --revision"
+        )
+    detail = " ".join(str(error.server_message or error).split())
+    return RepackError(f"the Hub answered {status} while {action} {repo_id} ({detail}): re-run later to resume")
+
+
+def _is_network_error(error: BaseException) -> bool:
+    """Transport failures of the Hub's HTTP client (httpx in huggingface_hub 1.x, httpx2 in 2.x)."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return bool(names & {"TransportError", "RequestError"}) or isinstance(error, ConnectionError | TimeoutError)
+
+
+def _upload(
+    api: HfApi, plan: PushPlan, access: HubAccess, *, private: bool, revision: str, create_pr: bool
+) -> PushResult:
+    api.create_repo(plan.repo_id, token=access.token, private=private, exist_ok=True, repo_type="model")
+    target: str | None = revision
+    if create_pr:
+        target = find_resumable_pr(api, plan.repo_id, access, plan.commit_message)
+    elif revision != DEFAULT_BRANCH:
+        api.create_branch(plan.repo_id, branch=revision, token=access.token, exist_ok=True, repo_type="model")
+    info = api.upload_folder(
+        repo_id=plan.repo_id,
+        folder_path=str(plan.out_dir),
+        commit_message=plan.commit_message,
+        commit_description=plan.commit_description,
+        token=access.token,
+        repo_type="model",
+        revision=target,
+        create_pr=create_pr and target is None,
+        allow_patterns=plan.allow_patterns,
+    )
+    pr_url = getattr(info, "pr_url", None)
+    if create_pr and target is None and getattr(info, "pr_revision", None):
+        target = info.pr_revision
+    return PushResult(
+        plan=plan,
+        dry_run=False,
+        revision=target,
+        commit_url=getattr(info, "commit_url", None),
+        pr_url=pr_url,
+    )
+
+
+def _validate_repo_id(repo_id: str) -> None:
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        reason = " ".join(str(error).split())
+        raise RepackError(f"'{repo_id}' is not a valid Hub repo id ({reason}): use namespace/name") from error
+
+
+def _read_manifest(out_dir: Path) -> tuple[dict, bytes]:
+    path = out_dir / MANIFEST_NAME
+    if not out_dir.is_dir():
+        raise RepackError(f"{out_dir} is not a folder: pass the OUT folder written by `repack convert`")
+    if not path.is_file():
+        raise RepackError(f"{path} not found: {out_dir} is not a finished `repack convert` output; convert it first")
+    raw = path.read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RepackError(f"{path} is not valid JSON ({error.msg if hasattr(error, 'msg') else error})") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != KNOWN_FORMAT:
+        raise RepackError(f"{path} does not describe a {KNOWN_FORMAT} checkpoint: convert with `repack convert`")
+    if manifest.get("format_version") not in KNOWN_FORMAT_VERSIONS:
+        raise RepackError(
+            f"{path} has format_version {manifest.get('format_version')}, this repack knows "
+            f"{list(KNOWN_FORMAT_VERSIONS)}: upgrade moe-repack"
+        )
+    return manifest, raw
+
+
+def _read_config(out_dir: Path) -> dict:
+    path = out_dir / CONFIG_NAME
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise RepackError(f"{path} not found: re-run `repack convert`") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RepackError(f"{path} is not valid JSON: re-run `repack convert`") from error
+    quant_method = (config.get("quantization_config") or {}).get("quant_method")
+    if quant_method != "repack":
+        raise RepackError(
+            f"{path} has quant_method {quant_method!r}, not 'repack': push folders written by `repack convert`"
+        )
+    return config
+
+
+def _read_speed_table(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = type(error).__name__
+        raise RepackError(f"cannot read the speed table {path} ({reason}): pass a markdown file") from error
+    if not text.strip():
+        raise RepackError(f"the speed table {path} is empty: pass the markdown table you measured")
+    return text
+
+
+def _read_existing_card(out_dir: Path) -> str | None:
+    path = out_dir / CARD_NAME
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise RepackError(f"{path} is not UTF-8 text: move it away or pass --force to replace it") from error
+
+
+def _may_write_card(out_dir: Path, existing: str | None, card: str, manifest: dict, force: bool) -> bool:
+    """Write unless OUT holds a README.md that a person wrote or edited (then refuse without --force).
+
+    Not edited: no README yet, our own unedited card (marker checksum matches), or the source's card as the
+    converter copied it (its sha256 is still the manifest's).
+    """
+    if existing is None:
+        return True
+    if existing == card:
+        return False
+    if force or is_generated_card(existing) or _is_converter_copy(existing, manifest):
+        return True
+    raise RepackError(
+        f"{out_dir / CARD_NAME} was edited by hand (not the card repack generates): "
+        "pass --force to replace it with the generated card, or move it away"
+    )
+
+
+def _is_converter_copy(existing: str, manifest: dict) -> bool:
+    entry = (manifest.get("output_files") or {}).get(CARD_NAME) or {}
+    return entry.get("sha256") == hashlib.sha256(existing.encode("utf-8")).hexdigest()
+
+
+def _card_license(existing: str | None) -> str | None:
+    """Carry the license over from the README in OUT (the source's card, or our earlier one)."""
+    if existing is None:
+        return None
+    match = re.match(r"---\n(.*?)\n---\n", existing, flags=re.DOTALL)
+    if match is None:
+        return None
+    try:
+        metadata = yaml.safe_load(match.group(1))
+    except yaml.YAMLError:
+        return None
+    license_id = metadata.get("license") if isinstance(metadata, dict) else None
+    return license_id if isinstance(license_id, str) else None
+
+
+def _write_card(plan: PushPlan) -> None:
+    path = plan.out_dir / CARD_NAME
+    try:
+        path.write_text(plan.card, encoding="utf-8")
+    except OSError as error:
+        raise RepackError(f"cannot write {path} ({error.strerror}): make {plan.out_dir} writable") from error
+
+
+def _commit_message(manifest: dict, manifest_bytes: bytes) -> str:
+    """Names the checkpoint exactly (manifest checksum), so a resumed `--create-pr` finds its own PR."""
+    source = manifest.get("source") or {}
+    origin = source.get("repo_id") or "a local checkpoint"
+    revision = source.get("revision")
+    if revision:
+        origin = f"{origin}@{str(revision)[:12]}"
+    digest = hashlib.sha256(manifest_bytes).hexdigest()[:12]
+    return f"Upload {KNOWN_FORMAT} v{manifest['format_version']} of {origin} (manifest {digest})"
+
+
+def _commit_description(manifest: dict) -> str:
+    return (
+        f"Converted by moe-repack {manifest.get('converter_version', 'unknown')}; "
+        f"checksums of every file in {MANIFEST_NAME}."
+    )
+
+
+def _contained_path(out_dir: Path, name: str) -> Path:
+    """A manifest entry must name a file inside OUT; `..` or an absolute path would upload something else."""
+    path = out_dir / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise RepackError(f"{out_dir / MANIFEST_NAME} names a file outside the folder ({name!r}): re-run convert")
+    return path
+
+
+def _files_in(out_dir: Path) -> list[str]:
+    """Files in OUT, relative, skipping hidden ones (huggingface_hub never uploads `.git` or caches either)."""
+    names = []
+    for path in sorted(out_dir.rglob("*")):
+        relative = path.relative_to(out_dir)
+        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            names.append(relative.as_posix())
+    return names
+
+
+def _human_size(size: int) -> str:
+    if size < 1000:
+        return f"{size} B"
+    value = float(size)
+    for unit in ("KB", "MB", "GB"):
+        value /= 1000
+        if value < 1000:
+            return f"{value:.2f} {unit}"
+    return f"{value / 1000:.2f} TB"

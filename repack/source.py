@@ -1,0 +1,136 @@
+"""Resolve SRC (a local folder or a Hugging Face Hub repo id) to a checkpoint folder on disk.
+
+Hub ids go through ``huggingface_hub.snapshot_download`` with patterns for weights, config and tokenizer
+files only, so it also works from the local cache with ``HF_HUB_OFFLINE=1``; the snapshot folder's name
+is the resolved commit hash, which the manifest records as the revision.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from repack.errors import RepackError
+from repack.formats.checkpoint import CONFIG_FILE, read_config
+
+QUANTIZE_CONFIG_FILE = "quantize_config.json"
+HUB_ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer*",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.jinja",
+    "*.py",
+    "*.md",
+]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass
+class SourceCheckpoint:
+    """A GPTQ checkpoint folder on disk plus where it came from."""
+
+    path: Path
+    config: dict
+    quantization_config: dict | None
+    quantization_config_file: str | None  # "config.json" or "quantize_config.json"
+    repo_id: str | None = None  # Hub id, or None for a local folder
+    revision: str | None = None  # resolved commit hash (Hub only)
+    files: list[str] = field(default_factory=list)  # every regular file, relative, sorted
+
+    @property
+    def label(self) -> str:
+        return self.repo_id or str(self.path)
+
+    def provenance(self) -> dict:
+        """The manifest's ``source`` entry."""
+        if self.repo_id:
+            return {"repo_id": self.repo_id, "revision": self.revision}
+        return {"path": str(self.path.resolve()), "revision": None}
+
+
+def looks_like_repo_id(src: str) -> bool:
+    return bool(_REPO_ID.match(src)) and not src.startswith((".", "/", "~"))
+
+
+def download_snapshot(repo_id: str, revision: str | None) -> Path:
+    """``snapshot_download`` with one-line errors (offline and not cached, unknown repo or revision)."""
+    import huggingface_hub
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        folder = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    except hub_errors.LocalEntryNotFoundError:
+        raise RepackError(
+            f"{repo_id}: not in the local Hugging Face cache and the Hub is unreachable (or HF_HUB_OFFLINE=1); "
+            "download it once with network access or pass a local folder"
+        ) from None
+    except hub_errors.RevisionNotFoundError:
+        raise RepackError(f"{repo_id}: revision {revision!r} not found on the Hub; check --revision") from None
+    except hub_errors.RepositoryNotFoundError:
+        raise RepackError(f"{repo_id}: repository not found on the Hub (or gated/private: log in)") from None
+    except (hub_errors.HfHubHTTPError, OSError, ValueError) as error:
+        message = " ".join(str(error).split())[:300]
+        raise RepackError(f"{repo_id}: download failed ({message}); check the id, network and --revision") from None
+    return Path(folder)
+
+
+def list_files(folder: Path) -> list[str]:
+    """Every regular file under ``folder`` (following the Hub cache's symlinks), skipping hidden entries."""
+    files = []
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        if path.is_file():
+            files.append(relative.as_posix())
+    return files
+
+
+def read_quantization_config(folder: Path, config: dict) -> tuple[dict | None, str | None]:
+    """The GPTQ quantization config: config.json's ``quantization_config``, else quantize_config.json."""
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict):
+        return quant, CONFIG_FILE
+    path = folder / QUANTIZE_CONFIG_FILE
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RepackError(f"{path}: not valid JSON; fix or re-download it") from None
+        if isinstance(data, dict):
+            return data, QUANTIZE_CONFIG_FILE
+    return None, None
+
+
+def resolve_source(src: str, revision: str | None = None) -> SourceCheckpoint:
+    """Local folder or Hub repo id -> :class:`SourceCheckpoint` (config read, files listed)."""
+    local = Path(src).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise RepackError(f"{src}: is a file; pass the checkpoint folder that holds config.json")
+        if revision:
+            raise RepackError(f"{src}: --revision only applies to Hub repo ids, not local folders")
+        folder, repo_id, commit = local, None, None
+    elif looks_like_repo_id(src):
+        folder = download_snapshot(src, revision)
+        repo_id = src
+        commit = folder.name if _COMMIT.match(folder.name) else revision
+    else:
+        raise RepackError(f"{src}: no such folder, and not a Hub repo id (org/name); check the path")
+    config = read_config(folder)
+    quant, quant_file = read_quantization_config(folder, config)
+    return SourceCheckpoint(
+        path=folder,
+        config=config,
+        quantization_config=quant,
+        quantization_config_file=quant_file,
+        repo_id=repo_id,
+        revision=commit,
+        files=list_files(folder),
+    )

@@ -1,0 +1,136 @@
+"""``repack verify OUT [--source SRC]``: prove an output is intact and, with a source, lossless.
+
+Without a source: every output file's sha256 against the manifest. With a source, additionally: the
+source files' sha256 against the manifest, every stack turned back into GPTQ tensors with
+``unpack_stack`` and compared bit for bit with the source tensors, every copied tensor compared byte
+for byte, and every source tensor accounted for. Any mismatch raises a one-line :class:`RepackError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from repack.errors import RepackError
+from repack.formats.checkpoint import CheckpointReader, hash_file, read_repack_config
+from repack.formats.repack_v1 import MANIFEST_FILE, unpack_stack
+from repack.source import resolve_source
+
+
+@dataclass
+class VerifyReport:
+    files_checked: int = 0
+    source_files_checked: int = 0
+    stacks_checked: int = 0
+    tensors_compared: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def read_manifest(out: Path) -> dict:
+    path = out / MANIFEST_FILE
+    if not path.is_file():
+        raise RepackError(f"{out}: no {MANIFEST_FILE}; not a complete repack output (re-run repack convert)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RepackError(f"{path}: not valid JSON; re-run repack convert") from None
+
+
+def check_output_files(out: Path, manifest: dict, report: VerifyReport) -> None:
+    listed = manifest.get("output_files") or {}
+    for name, expected in listed.items():
+        path = out / name
+        if not path.is_file():
+            raise RepackError(f"{path}: listed in {MANIFEST_FILE} but missing; re-run repack convert")
+        sha, size = hash_file(path)
+        if sha != expected.get("sha256") or size != expected.get("size"):
+            raise RepackError(f"{path}: sha256 differs from {MANIFEST_FILE} (file changed or corrupt); re-convert")
+        report.files_checked += 1
+    present = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    extra = sorted(present - set(listed) - {MANIFEST_FILE})
+    if extra:
+        raise RepackError(f"{out / extra[0]}: not listed in {MANIFEST_FILE}; remove it or re-convert")
+
+
+def check_source_files(src_folder: Path, manifest: dict, report: VerifyReport) -> None:
+    for name, expected in (manifest.get("source_files") or {}).items():
+        path = src_folder / name
+        if not path.is_file():
+            raise RepackError(f"{path}: source file recorded in {MANIFEST_FILE} is missing from the source")
+        sha, _ = hash_file(path)
+        if sha != expected.get("sha256"):
+            raise RepackError(
+                f"{path}: sha256 differs from the manifest; the source changed since conversion (wrong --source "
+                "or --revision?)"
+            )
+        report.source_files_checked += 1
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (dtype, shape and bytes; -0.0 differs from 0.0, NaN payloads count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def check_tensors(out: Path, src_folder: Path, report: VerifyReport) -> None:
+    _, stacks = read_repack_config(out)
+    output = CheckpointReader(out)
+    source = CheckpointReader(src_folder)
+    covered: set[str] = set()
+    stack_tensors: set[str] = set()
+    for info in stacks:
+        names = info.tensor_names()
+        stack_tensors.update(names)
+        rebuilt = unpack_stack(info, {name: output.get(name) for name in names})
+        for name, tensor in rebuilt.items():
+            if name not in source:
+                raise RepackError(f"{out}: stack {info.prefix} rebuilds {name}, which the source does not have")
+            original = source.get(name)
+            if not same_bits(tensor, original):
+                raise RepackError(
+                    f"{out}: stack {info.prefix} does not rebuild source tensor {name} bit for bit "
+                    f"({_describe(tensor)} vs {_describe(original)}); the output is corrupt, re-convert"
+                )
+            covered.add(name)
+            report.tensors_compared += 1
+        report.stacks_checked += 1
+    for name in output.names():
+        if name in stack_tensors:
+            continue
+        if name not in source:
+            raise RepackError(f"{out}: tensor {name} is not in the source {src_folder}; wrong --source?")
+        if not same_bits(output.get(name), source.get(name)):
+            raise RepackError(f"{out}: copied tensor {name} differs from the source; the output is corrupt, re-convert")
+        covered.add(name)
+        report.tensors_compared += 1
+    missing = sorted(set(source.names()) - covered)
+    if missing:
+        raise RepackError(f"{out}: source tensor {missing[0]} is missing from the output ({len(missing)} in all)")
+
+
+def verify(out: str | Path, source: str | None = None, revision: str | None = None) -> VerifyReport:
+    out = Path(out)
+    if not out.is_dir():
+        raise RepackError(f"{out}: no such folder; pass the output folder of repack convert")
+    report = VerifyReport()
+    manifest = read_manifest(out)
+    check_output_files(out, manifest, report)
+    if source is not None:
+        src = resolve_source(source, revision)
+        recorded = (manifest.get("source") or {}).get("revision")
+        if src.revision and recorded and src.revision != recorded:
+            raise RepackError(
+                f"{source}: resolves to revision {src.revision} but {out} was converted from {recorded}; "
+                "pass --revision"
+            )
+        check_source_files(src.path, manifest, report)
+        check_tensors(out, src.path, report)
+    return report

@@ -1,0 +1,306 @@
+"""Load a repack-moe checkpoint onto a device exactly as stored: bytes in, views out.
+
+Why this shape: the converter already wrote every tensor in the layout the kernels consume, so loading must
+not touch the data. Each shard's data region is read once into (pinned) host memory and copied to one
+device buffer; every tensor is then a dtype/shape view of that buffer at its file offset. No repack, no
+permute, no cat, no dtype change: the bytes on the device are the file's bytes, which the tests check.
+On a GPU the read of the next chunk overlaps the host-to-device copy of the previous one, so the load runs
+at the speed of reading the files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from repack.errors import RepackError
+from repack.formats.checkpoint import read_repack_config
+from repack.formats.repack_v1 import INDEX_FILE, ROUTED, SHARED, StackInfo
+from repack.runtime.weights import MoeWeights
+
+if TYPE_CHECKING:
+    from repack.runtime.moe_block import MoeBlock
+
+SINGLE_FILE = "model.safetensors"
+STAGING_CHUNK_BYTES = 256 << 20  # per pinned staging buffer; two of them alternate
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+# ------------------------------------------------------------------------------------------- safetensors
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a shard: where its bytes lie relative to the start of the shard's data region."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A parsed safetensors header: the data region's position in the file and the tensors in it."""
+
+    path: Path
+    data_start: int
+    data_bytes: int
+    entries: tuple[TensorEntry, ...]
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint folder: the index's shards, or the single model.safetensors."""
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise RepackError(f"{index_file}: unreadable index ({error}); re-run `repack convert`") from None
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+    elif (path / SINGLE_FILE).is_file():
+        files = [path / SINGLE_FILE]
+    else:
+        raise RepackError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found; re-run `repack convert`")
+    for file in files:
+        if not file.is_file():
+            raise RepackError(f"{file}: shard named by {INDEX_FILE} is missing; re-download or re-convert")
+    return files
+
+
+def read_shard_layout(file: Path) -> ShardLayout:
+    """Parse a safetensors header and check every tensor's byte range against the file size."""
+    file_size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise RepackError(f"{file}: truncated safetensors file (no header); re-download or re-convert")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(MAX_HEADER_BYTES, file_size - 8):
+            raise RepackError(f"{file}: corrupt safetensors header length; re-download or re-convert")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise RepackError(f"{file}: corrupt safetensors header (bad JSON); re-download or re-convert") from None
+    data_start = 8 + header_len
+    data_bytes = file_size - data_start
+    entries = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise RepackError(f"{file}: tensor {name} has unsupported dtype {meta.get('dtype')!r}")
+        shape = tuple(int(d) for d in meta["shape"])
+        begin, end = (int(x) for x in meta["data_offsets"])
+        if end - begin != math.prod(shape) * dtype.itemsize or not 0 <= begin <= end <= data_bytes:
+            raise RepackError(
+                f"{file}: tensor {name} lies outside the file or has the wrong size (truncated or corrupt "
+                "file); re-download or re-convert"
+            )
+        entries.append(TensorEntry(name, dtype, shape, begin, end))
+    return ShardLayout(file, data_start, data_bytes, tuple(entries))
+
+
+def _read_exactly(handle, target: memoryview, file: Path) -> None:
+    """Fill ``target`` from ``handle``; readinto may return short counts, so loop until full."""
+    done = 0
+    while done < len(target):
+        got = handle.readinto(target[done:])
+        if not got:
+            raise RepackError(f"{file}: file ended early while reading (truncated?); re-download or re-convert")
+        done += got
+
+
+class HostStaging:
+    """Two pinned host buffers used in turn: the disk fills one while the GPU copies out of the other."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.ready: list[torch.cuda.Event | None] = [None, None]
+
+    def copy_file_to(self, handle, file: Path, target: torch.Tensor) -> None:
+        """Stream ``target.numel()`` bytes from ``handle`` into the device tensor ``target``."""
+        total = target.numel()
+        for step, offset in enumerate(range(0, total, self.chunk_bytes)):
+            slot = step % 2
+            if self.ready[slot] is not None:
+                self.ready[slot].synchronize()  # the copy out of this buffer has finished
+            size = min(self.chunk_bytes, total - offset)
+            staging = self.buffers[slot][:size]
+            _read_exactly(handle, memoryview(staging.numpy()), file)
+            target[offset : offset + size].copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.ready[slot] = event
+
+
+def read_shard_bytes(layout: ShardLayout, device: torch.device, staging: HostStaging | None) -> torch.Tensor:
+    """The shard's whole data region as one uint8 tensor on ``device`` (one buffer, filled by plain copies)."""
+    with open(layout.path, "rb", buffering=0) as handle:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        handle.seek(layout.data_start)
+        if device.type == "cpu":
+            buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
+            _read_exactly(handle, memoryview(buffer.numpy()), layout.path)
+            return buffer
+        buffer = torch.empty(layout.data_bytes, dtype=torch.uint8, device=device)
+        staging.copy_file_to(handle, layout.path, buffer)
+        return buffer
+
+
+def tensor_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor ``entry`` as a view into its shard's byte buffer: same storage, same bytes.
+
+    safetensors writers align every tensor to its element size; a file that does not (hand-made) costs one
+    copy of that tensor's bytes, still bit for bit.
+    """
+    raw = buffer[entry.begin : entry.end]
+    if entry.begin % entry.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(entry.dtype).view(entry.shape)
+
+
+def load_tensors(files: list[Path], device: torch.device, chunk_bytes: int) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard, on ``device``, as views of one byte buffer per shard."""
+    layouts = [read_shard_layout(file) for file in files]
+    staging = None
+    if device.type != "cpu":
+        largest = max((layout.data_bytes for layout in layouts), default=0)
+        staging = HostStaging(max(1, min(chunk_bytes, largest)))
+    tensors: dict[str, torch.Tensor] = {}
+    for layout in layouts:
+        buffer = read_shard_bytes(layout, device, staging)
+        for entry in layout.entries:
+            tensors[entry.name] = tensor_view(buffer, entry)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return tensors
+
+
+# -------------------------------------------------------------------------------------------- checkpoint
+
+
+def layer_of(prefix: str) -> int:
+    """Decoder layer index in a tensor prefix such as ``model.layers.3.mlp.experts``."""
+    match = _LAYER_INDEX.search(prefix)
+    if match is None:
+        raise RepackError(f"stack prefix {prefix!r} names no decoder layer (`layers.N.`); re-run `repack convert`")
+    return int(match.group(1))
+
+
+@dataclass
+class RepackCheckpoint:
+    """A loaded repack-moe checkpoint: its config, its stacks and every tensor, on one device."""
+
+    path: Path
+    config: dict
+    stacks: list[StackInfo]
+    tensors: dict[str, torch.Tensor]
+    device: torch.device
+    dtype: torch.dtype  # activation dtype the MoE blocks are built for
+    _blocks: dict[int, MoeBlock] = field(default_factory=dict, repr=False)
+
+    @property
+    def text_config(self) -> dict:
+        """The language model's config (multimodal configs nest it under ``text_config``)."""
+        return self.config.get("text_config", self.config)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config["num_hidden_layers"])
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the decoder layers that have a sparse-MoE block, ascending."""
+        return sorted({layer_of(info.prefix) for info in self.stacks if info.kind == ROUTED})
+
+    def stack_info(self, layer: int, kind: str = ROUTED) -> StackInfo | None:
+        """The layer's stack of ``kind`` (ROUTED or SHARED), or None if the layer has none."""
+        for info in self.stacks:
+            if info.kind == kind and layer_of(info.prefix) == layer:
+                return info
+        return None
+
+    def moe_weights(self, layer: int, kind: str = ROUTED) -> MoeWeights | None:
+        """The kernel-facing tensors of a layer's stack (views, nothing copied), or None if absent."""
+        info = self.stack_info(layer, kind)
+        if info is None:
+            return None
+        missing = [name for name in info.tensor_names() if name not in self.tensors]
+        if missing:
+            raise RepackError(f"{self.path}: tensor {missing[0]} is missing from the shards; re-run `repack convert`")
+        return MoeWeights.from_tensors(info, self.tensors)
+
+    def moe_block(self, layer: int) -> MoeBlock:
+        """The whole sparse-MoE block of decoder layer ``layer`` as a torch module (built once, cached)."""
+        if layer not in self._blocks:
+            if self.stack_info(layer, ROUTED) is None:
+                raise RepackError(
+                    f"{self.path}: layer {layer} has no sparse-MoE block; MoE layers are {self.moe_layers}"
+                )
+            from repack.runtime.moe_block import MoeBlock
+
+            self._blocks[layer] = MoeBlock.from_checkpoint(self, layer)
+        return self._blocks[layer]
+
+
+def load(
+    path: str | os.PathLike,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.float16,
+    *,
+    chunk_bytes: int = STAGING_CHUNK_BYTES,
+) -> RepackCheckpoint:
+    """Load a repack-moe checkpoint folder onto ``device``, every tensor exactly as stored.
+
+    ``dtype`` is the activation dtype (float16 or bfloat16) of the blocks that ``moe_block`` builds; the
+    stored tensors keep their own dtypes. ``chunk_bytes`` is the size of each pinned staging buffer (GPU).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise RepackError(f"{folder}: not a folder; pass the output folder of `repack convert`")
+    if dtype not in ACTIVATION_DTYPES:
+        raise RepackError(f"load: dtype {dtype} is not supported for activations; use torch.float16 or torch.bfloat16")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise RepackError(f"load: device {device} is not supported; use 'cuda' (or 'cpu' for tests)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RepackError(f"load: device {device} requested but no CUDA GPU is available; pass device='cpu'")
+    config, stacks = read_repack_config(folder)
+    tensors = load_tensors(shard_files(folder), device, chunk_bytes)
+    return RepackCheckpoint(folder, config, stacks, tensors, device, dtype)
+
+
+__all__ = ["RepackCheckpoint", "load", "SHARED", "ROUTED"]

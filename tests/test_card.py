@@ -1,0 +1,159 @@
+"""The generated model card: valid YAML front matter the Hub understands, markdown with provenance and
+working load snippets, and a marker that tells a generated card from an edited one."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from markdown_it import MarkdownIt
+
+from repack.card import is_generated_card, render_model_card
+
+SOURCE_FILES = {
+    "config.json": {"sha256": "a" * 64, "size": 1234},
+    "model.safetensors": {"sha256": "b" * 64, "size": 987654},
+    "tokenizer.json": {"sha256": "c" * 64, "size": 4321},
+}
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_manifest() -> dict:
+    return {
+        "format": "repack-moe",
+        "format_version": 1,
+        "converter_version": "0.1.0",
+        "source": {"repo_id": "Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4", "revision": REVISION},
+        "source_files": SOURCE_FILES,
+        "output_files": {"config.json": {"sha256": "d" * 64, "size": 99}},
+        "created": "2025-01-02T03:04:05Z",
+    }
+
+
+def repack_config(act_order: bool = False) -> dict:
+    stack = {
+        "prefix": "model.layers.0.mlp.experts",
+        "kind": "routed",
+        "num_experts": 64,
+        "hidden_size": 3584,
+        "intermediate_size": 2560,
+        "bits": 4,
+        "group_size": 128,
+        "sym": True,
+        "act_order_w13": act_order,
+        "act_order_w2": act_order,
+    }
+    shared = dict(stack, prefix="model.layers.0.mlp.shared_experts", kind="shared", num_experts=8)
+    return {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "quantization_config": {
+            "quant_method": "repack",
+            "format": "repack-moe",
+            "format_version": 1,
+            "bits": 4,
+            "group_size": 128,
+            "sym": True,
+            "stacks": [stack, shared],
+        },
+    }
+
+
+def split_card(card: str) -> tuple[dict, str]:
+    """Front matter as the Hub reads it (YAML between the first two `---` lines) and the markdown body."""
+    match = re.match(r"---\n(.*?)\n---\n(.*)\Z", card, flags=re.DOTALL)
+    assert match is not None, "the card must start with YAML front matter"
+    return yaml.safe_load(match.group(1)), match.group(2)
+
+
+def fenced_code(markdown: str, language: str) -> list[str]:
+    tokens = MarkdownIt("commonmark").parse(markdown)
+    return [token.content for token in tokens if token.type == "fence" and token.info == language]
+
+
+def test_front_matter_declares_a_quantized_derivative_of_the_source():
+    metadata, _ = split_card(
+        render_model_card(hub_manifest(), repack_config(), repo_id="myorg/qwen-repack", speed_table=None)
+    )
+    assert metadata == {
+        "base_model": "Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4",
+        "base_model_relation": "quantized",
+        "library_name": "repack",
+        "pipeline_tag": "text-generation",
+        "tags": ["moe", "gptq", "int4", "repack"],
+    }
+
+
+def test_body_states_format_source_revision_and_every_source_checksum():
+    _, body = split_card(
+        render_model_card(hub_manifest(), repack_config(), repo_id="myorg/qwen-repack", speed_table=None)
+    )
+    assert "repack-moe v1" in body
+    assert "moe-repack 0.1.0" in body
+    assert "Qwen2MoeForCausalLM" in body
+    assert "GPTQ int4, group size 128, symmetric" in body
+    assert f"`{REVISION}`" in body
+    for name, entry in SOURCE_FILES.items():
+        row = f"| `{name}` | {entry['size']} | `{entry['sha256']}` |"
+        assert row in body
+    tokens = MarkdownIt("commonmark").enable("table").parse(body)
+    assert sum(token.type == "table_open" for token in tokens) == 2  # format table + checksum table
+
+
+def test_load_snippets_use_the_runtime_and_register_with_transformers_first():
+    _, body = split_card(
+        render_model_card(hub_manifest(), repack_config(), repo_id="myorg/qwen-repack", speed_table=None)
+    )
+    runtime_snippet, transformers_snippet = fenced_code(body, "python")
+    assert "from repack.runtime import load" in runtime_snippet
+    assert 'snapshot_download("myorg/qwen-repack")' in runtime_snippet
+    registration = transformers_snippet.index("import repack.runtime")
+    assert registration < transformers_snippet.index('AutoModelForCausalLM.from_pretrained("myorg/qwen-repack"')
+    for snippet in (runtime_snippet, transformers_snippet):
+        compile(snippet, "<card snippet>", "exec")
+
+
+def test_speed_table_is_embedded_only_when_given():
+    table = "| M | ours (us) | Marlin (us) |\n|---:|---:|---:|\n| 1 | 40 | 68 |\n"
+    with_table = render_model_card(hub_manifest(), repack_config(), repo_id="o/r", speed_table=table)
+    without = render_model_card(hub_manifest(), repack_config(), repo_id="o/r", speed_table=None)
+    assert "## Measured speed" in with_table and table.strip() in with_table
+    assert "## Measured speed" not in without
+    tokens = MarkdownIt("commonmark").enable("table").parse(split_card(with_table)[1])
+    assert sum(token.type == "table_open" for token in tokens) == 3
+
+
+def test_local_source_has_no_base_model_but_names_the_folder():
+    manifest = hub_manifest()
+    manifest["source"] = {"path": "/data/my-gptq-moe", "revision": None}
+    metadata, body = split_card(render_model_card(manifest, repack_config(), repo_id="o/r", speed_table=None))
+    assert "base_model" not in metadata and "base_model_relation" not in metadata
+    assert "`/data/my-gptq-moe`" in body
+
+
+def test_license_and_act_order_are_reported():
+    card = render_model_card(
+        hub_manifest(), repack_config(act_order=True), repo_id="o/r", speed_table=None, license="apache-2.0"
+    )
+    metadata, body = split_card(card)
+    assert metadata["license"] == "apache-2.0"
+    assert "| act-order | resolved at conversion |" in body
+    assert "| shared expert | stored as 8 routed-size chunk(s) |" in body
+
+
+def test_generated_card_is_recognised_and_any_edit_is_detected():
+    card = render_model_card(hub_manifest(), repack_config(), repo_id="o/r", speed_table=None)
+    assert is_generated_card(card)
+    assert is_generated_card(card + "\n")  # an editor adding a final newline is not an edit
+    assert not is_generated_card(card.replace("## How to load", "## How to use"))
+    marker = card.rstrip("\n").rpartition("\n")[2]
+    assert not is_generated_card(card.replace(marker + "\n", ""))
+    assert not is_generated_card("# my own card\n")
+
+
+@pytest.mark.parametrize("repo_id", ["myorg/model", "someone/else"])
+def test_rendering_is_deterministic(repo_id: str):
+    first = render_model_card(hub_manifest(), repack_config(), repo_id=repo_id, speed_table=None)
+    second = render_model_card(hub_manifest(), repack_config(), repo_id=repo_id, speed_table=None)
+    assert first == second
