@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 L2_BYTES = 60 * 2**20
 M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 M_QUICK = (1, 4, 16, 64, 256, 1024, 4096)
@@ -134,7 +132,7 @@ def rotation(bytes_per_call: float, limit: int = 16) -> int:
     return max(2, min(limit, math.ceil(4 * L2_BYTES / max(bytes_per_call, 1))))
 
 
-def check_case(case: Case, dtype, stack) -> float:
+def check_case(case: Case, dtype, stack, config: dict | None = None) -> float:
     """Worst relative error of route+fused_moe vs a float32 reference over CHECK_M (random weights)."""
     from repack.runtime.fused_moe import fused_moe
     from repack.runtime.routing import route
@@ -145,7 +143,7 @@ def check_case(case: Case, dtype, stack) -> float:
         logits = torch.randn(m, case.experts, device="cuda")
         w, ids = route(logits, case.top_k, case.renormalize)
         out = torch.full((m, case.hidden), float("nan"), dtype=dtype, device="cuda")
-        fused_moe(x, stack, ids, w, out=out)
+        fused_moe(x, stack, ids, w, out=out, config=config)
         used = sorted(set(ids.flatten().tolist()))
         w13, w2 = dequantize_experts(stack, used, torch.float32)
         pos = {e: i for i, e in enumerate(used)}

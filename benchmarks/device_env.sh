@@ -3,5 +3,5 @@
 PKG=/tmp/repack-pkg
 rm -rf "$PKG" && mkdir -p "$PKG"
 cp -r repack "$PKG/repack" && cp -r runtime "$PKG/repack/runtime" && cp -r formats "$PKG/repack/formats"
-export PYTHONPATH="$PKG:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from repack.runtime.fused_moe import fused_moe
+    from repack.runtime.hf import load_hf_model
     from repack.runtime.loader import RepackCheckpoint, load
     from repack.runtime.moe_block import MoeBlock
     from repack.runtime.routing import route
@@ -23,9 +24,10 @@ _EXPORTS = {
     "MoeWeights": "weights",
     "fused_moe": "fused_moe",
     "route": "routing",
+    "load_hf_model": "hf",
 }
 
-__all__ = ["MoeBlock", "MoeWeights", "RepackCheckpoint", "fused_moe", "load", "route"]
+__all__ = ["MoeBlock", "MoeWeights", "RepackCheckpoint", "fused_moe", "load", "load_hf_model", "route"]
 
 
 def __getattr__(name: str):

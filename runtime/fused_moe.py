@@ -26,32 +26,17 @@ import triton
 import triton.language as tl
 
 from repack.errors import RepackError
-from repack.runtime.align import Alignment, align_pairs
+from repack.runtime.align import align_pairs
+from repack.runtime.decode_kernels import _w2_decode_kernel, _w13_decode_kernel, decode_grid
 from repack.runtime.kernel_config import fit_config, get_config
 from repack.runtime.weights import MoeWeights
 
 
 @triton.jit
-def _block_rows(
-    pid_m,
-    sorted_pairs_ptr,
-    block_experts_ptr,
-    topk_ids_ptr,
-    num_pairs,
-    DIRECT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """(pair index of each row, row mask, expert) of row block ``pid_m``."""
-    lanes = tl.arange(0, BLOCK_M)
-    if DIRECT:
-        pairs = pid_m + lanes * 0
-        row_mask = lanes == 0
-        expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
-    else:
-        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + lanes)
-        row_mask = pairs < num_pairs
-        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    return pairs, row_mask, expert
+def _block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """(pair index of each row, row mask, expert) of aligned row block ``pid_m``."""
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pairs, pairs < num_pairs, tl.load(block_experts_ptr + pid_m).to(tl.int64)
 
 
 @triton.jit
@@ -67,16 +52,8 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dequant(
-    words,
-    scale,
-    zero,
-    BITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    FAST: tl.constexpr,
-):
+def _dequant(words, scale, zero, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             ACT_DTYPE: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """int16 words [BLOCK_N, BLOCK_K*BITS/16] -> weights [BLOCK_N, BLOCK_K] in ACT_DTYPE.
 
     ``scale`` fp16 [BLOCK_N], ``zero`` int32 [BLOCK_N] (true zero point). FAST: exponent-OR conversion.
@@ -99,50 +76,50 @@ def _dequant(
 
 
 @triton.jit
+def _nibble_dot(acc, x_rows, k0, perm_ptrs, words, scale, zero, s: tl.constexpr, j_mask, a_mask, offs_j,
+                HAS_PERM: tl.constexpr, BITS: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
+    """acc += A[:, k0 + pack*j + s] @ W[:, k0 + pack*j + s]^T for field ``s`` of every int32 word.
+
+    No reshape and no interleave: field s of the [BLOCK_N, BLOCK_K/pack] word tile is a 2-D tile in the
+    layout the words were loaded in, and the activation columns it multiplies are gathered (stride pack).
+    """
+    VALS: tl.constexpr = 32 // BITS
+    cols = k0 + offs_j * VALS + s
+    if HAS_PERM:
+        cols = tl.load(perm_ptrs + cols, mask=j_mask, other=0)
+    a = tl.load(x_rows + cols[None, :], mask=a_mask, other=0.0)
+    q = (words >> (BITS * s)) & ((1 << BITS) - 1)
+    if tl.float16 == ACT_DTYPE:
+        v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q, exact
+        w = (v - (zero + 1024).to(tl.float16)[:, None]) * scale[:, None]
+    else:
+        w = ((q - zero[:, None]).to(tl.float32) * scale.to(tl.float32)[:, None]).to(ACT_DTYPE)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
 def _w13_kernel(
-    x_ptr,
-    qw_ptr,
-    scales_ptr,
-    zeros_ptr,
-    perm_ptr,
-    inter_ptr,
-    sorted_pairs_ptr,
-    block_experts_ptr,
-    num_blocks_ptr,
-    topk_ids_ptr,
-    num_pairs,
-    num_pid_m,
-    N,
-    K,
-    group_len,
-    stride_x,
-    stride_qw_e,
-    stride_qw_n,
-    stride_s_e,
-    stride_s_g,
-    stride_inter,
-    TOP_K: tl.constexpr,
-    BITS: tl.constexpr,
-    SYM_ZERO: tl.constexpr,
-    DIRECT: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    FAST: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for the rows of one block and BLOCK_N channels."""
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
+    sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+    num_pairs, num_pid_m, N, K, group_len,
+    stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, FAST: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    NIBBLE_DOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for the rows of one block and BLOCK_N channels.
+
+    EVEN_K (K a multiple of BLOCK_K) drops the K masks so weight and activation loads stay 16 bytes wide.
+    NIBBLE_DOTS: ``qw_ptr`` is the int32 view and each K step runs one dot per nibble position (needs
+    BLOCK_K >= 16 * pack and one group per K step); otherwise the int16 view is unpacked by a reshape.
+    """
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if not DIRECT and pid_m >= tl.load(num_blocks_ptr):
+    if pid_m >= tl.load(num_blocks_ptr):
         return
-    pairs, row_mask, expert = _block_rows(
-        pid_m, sorted_pairs_ptr, block_experts_ptr, topk_ids_ptr, num_pairs, DIRECT, BLOCK_M
-    )
+    pairs, row_mask, expert = _block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
-    VALS: tl.constexpr = 16 // BITS
+    VALS: tl.constexpr = (32 if NIBBLE_DOTS else 16) // BITS
     WORDS_K: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -150,23 +127,19 @@ def _w13_kernel(
     offs_w = tl.arange(0, WORDS_K)
     gate_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
     up_ptrs = gate_ptrs + N * stride_qw_n
+    x_rows = x_ptr + tokens[:, None] * stride_x
+    perm_ptrs = perm_ptr + expert * K
     scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + offs_k
-        k_mask = k_idx < K
-        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept explicit for the Triton compiler)
-            cols = tl.load(perm_ptr + expert * K + k_idx, mask=k_mask, other=0)
+        if EVEN_K:
+            w_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, WORDS_K))
         else:
-            cols = k_idx
-        a = tl.load(
-            x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
-        gate_words = tl.load(gate_ptrs + k0 // VALS, mask=w_mask, other=0)
-        up_words = tl.load(up_ptrs + k0 // VALS, mask=w_mask, other=0)
+            w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
+        gate_words = tl.load(gate_ptrs, mask=w_mask, other=0)
+        up_words = tl.load(up_ptrs, mask=w_mask, other=0)
         group = k0 // group_len
         scale_gate = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
         scale_up = tl.load(scale_ptrs + group * stride_s_g + N, mask=n_mask, other=0.0)
@@ -176,10 +149,31 @@ def _w13_kernel(
         else:
             zero_gate = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
             zero_up = zero_gate
-        w_gate = _dequant(gate_words, scale_gate, zero_gate, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
-        acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate)
-        w_up = _dequant(up_words, scale_up, zero_up, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
-        acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+        if NIBBLE_DOTS:
+            j_mask = (k0 + offs_w * VALS) < K
+            a_mask = row_mask[:, None] & j_mask[None, :]
+            for s in tl.static_range(VALS):
+                acc_gate = _nibble_dot(acc_gate, x_rows, k0, perm_ptrs, gate_words, scale_gate, zero_gate, s, j_mask,
+                                       a_mask, offs_w, HAS_PERM, BITS, ACT_DTYPE)  # fmt: skip
+                acc_up = _nibble_dot(acc_up, x_rows, k0, perm_ptrs, up_words, scale_up, zero_up, s, j_mask,
+                                     a_mask, offs_w, HAS_PERM, BITS, ACT_DTYPE)  # fmt: skip
+        else:
+            k_mask = k0 + offs_k < K
+            if EVEN_K:
+                a_mask = tl.broadcast_to(row_mask[:, None], (BLOCK_M, BLOCK_K))
+            else:
+                a_mask = row_mask[:, None] & k_mask[None, :]
+            if HAS_PERM:
+                cols = tl.load(perm_ptrs + k0 + offs_k, mask=k_mask, other=0)
+            else:
+                cols = k0 + offs_k
+            a = tl.load(x_rows + cols[None, :], mask=a_mask, other=0.0)
+            w_gate = _dequant(gate_words, scale_gate, zero_gate, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
+            acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate)
+            w_up = _dequant(up_words, scale_up, zero_up, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
+            acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+        gate_ptrs += WORDS_K
+        up_ptrs += WORDS_K
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * stride_inter + offs_n[None, :]
     tl.store(out_ptrs, act.to(ACT_DTYPE), mask=row_mask[:, None] & n_mask[None, :])
@@ -187,71 +181,58 @@ def _w13_kernel(
 
 @triton.jit
 def _w2_kernel(
-    inter_ptr,
-    qw_ptr,
-    scales_ptr,
-    zeros_ptr,
-    topk_weights_ptr,
-    out_ptr,
-    sorted_pairs_ptr,
-    block_experts_ptr,
-    num_blocks_ptr,
-    topk_ids_ptr,
-    num_pairs,
-    num_pid_m,
-    N,
-    K,
-    group_len,
-    stride_inter,
-    stride_qw_e,
-    stride_qw_n,
-    stride_s_e,
-    stride_s_g,
-    stride_out,
-    TOP_K: tl.constexpr,
-    BITS: tl.constexpr,
-    SYM_ZERO: tl.constexpr,
-    DIRECT: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    FAST: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
+    inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
+    sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+    num_pairs, num_pid_m, N, K, group_len,
+    stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, FAST: tl.constexpr, ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr,
+    NIBBLE_DOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (NIBBLE_DOTS as in _w13_kernel)."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if not DIRECT and pid_m >= tl.load(num_blocks_ptr):
+    if pid_m >= tl.load(num_blocks_ptr):
         return
-    pairs, row_mask, expert = _block_rows(
-        pid_m, sorted_pairs_ptr, block_experts_ptr, topk_ids_ptr, num_pairs, DIRECT, BLOCK_M
-    )
-    VALS: tl.constexpr = 16 // BITS
+    pairs, row_mask, expert = _block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    VALS: tl.constexpr = (32 if NIBBLE_DOTS else 16) // BITS
     WORDS_K: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, WORDS_K)
     w_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
-    a_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * stride_inter + offs_k[None, :]
+    a_rows = inter_ptr + pairs[:, None].to(tl.int64) * stride_inter
     scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
-        words = tl.load(w_ptrs + k0 // VALS, mask=w_mask, other=0)
+        if EVEN_K:
+            w_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, WORDS_K))
+        else:
+            w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
+        words = tl.load(w_ptrs, mask=w_mask, other=0)
         group = k0 // group_len
         scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
         if HAS_ZEROS:
             zero = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
         else:
             zero = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
-        w = _dequant(words, scale, zero, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
-        acc = tl.dot(a, tl.trans(w), acc)
+        if NIBBLE_DOTS:
+            j_mask = (k0 + offs_w * VALS) < K
+            a_mask = row_mask[:, None] & j_mask[None, :]
+            for s in tl.static_range(VALS):
+                acc = _nibble_dot(acc, a_rows, k0, a_rows, words, scale, zero, s, j_mask, a_mask, offs_w, False, BITS,
+                                  ACT_DTYPE)  # fmt: skip
+        else:
+            if EVEN_K:
+                a_mask = tl.broadcast_to(row_mask[:, None], (BLOCK_M, BLOCK_K))
+            else:
+                a_mask = row_mask[:, None] & ((k0 + offs_k) < K)[None, :]
+            a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=a_mask, other=0.0)
+            w = _dequant(words, scale, zero, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, FAST)
+            acc = tl.dot(a, tl.trans(w), acc)
+        w_ptrs += WORDS_K
     route_w = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * route_w[:, None]
     mask = row_mask[:, None] & n_mask[None, :]
@@ -335,54 +316,21 @@ def fused_moe(
     cfg = _fit_blocks(cfg, weights)
     direct = bool(cfg.pop("DIRECT", False))
     reduce = cfg.pop("REDUCE", "pairs")
-    if direct:
-        cfg["BLOCK_M"] = 16
     num_pairs = m * top_k
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     ids = topk_ids.contiguous()
     route_w = topk_weights.to(torch.float32).contiguous()
-    if direct:
-        rows = Alignment(ids, ids, ids, 16)  # placeholders: direct mode reads only topk_ids
-        num_pid_m = num_pairs
-    else:
-        rows = align_pairs(ids, weights.num_experts, cfg["BLOCK_M"])
-        num_pid_m = rows.max_blocks
     common = dict(
         TOP_K=top_k,
         BITS=weights.bits,
         SYM_ZERO=1 << (weights.bits - 1),
-        DIRECT=direct,
         HAS_ZEROS=weights.w13_zeros is not None,
-        FAST=not (dtype == torch.bfloat16 and weights.bits == 8),
         ACT_DTYPE=_TL_DTYPES[dtype],
     )
-    row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, ids, num_pairs, num_pid_m]
     inter = torch.empty(num_pairs, n_inter, dtype=dtype, device=device)
-    w13_words = weights.w13_qweight.view(torch.int16)
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
-    perm = weights.w13_perm if weights.w13_perm is not None else ids
-    args13 = [
-        x,
-        w13_words,
-        weights.w13_scales,
-        zeros13,
-        perm,
-        inter,
-        *row_args,
-        n_inter,
-        h,
-        _group_len(weights, h),
-        x.stride(0),
-        w13_words.stride(0),
-        w13_words.stride(1),
-        weights.w13_scales.stride(0),
-        weights.w13_scales.stride(1),
-        inter.stride(0),
-    ]
-    _launch(_w13_kernel, num_pid_m, n_inter, args13, {**common, "HAS_PERM": weights.w13_perm is not None}, cfg, device)
-
-    w2_words = weights.w2_qweight.view(torch.int16)
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
+    perm = weights.w13_perm if weights.w13_perm is not None else ids
     atomic = reduce == "atomic"
     if atomic:
         target = torch.zeros(m, h, dtype=torch.float32, device=device)
@@ -390,30 +338,60 @@ def fused_moe(
         target = out
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)
-    args2 = [
-        inter,
-        w2_words,
-        weights.w2_scales,
-        zeros2,
-        route_w,
-        target,
-        *row_args,
-        h,
-        n_inter,
-        _group_len(weights, n_inter),
-        inter.stride(0),
-        w2_words.stride(0),
-        w2_words.stride(1),
-        weights.w2_scales.stride(0),
-        weights.w2_scales.stride(1),
-        target.stride(0),
-    ]
-    _launch(_w2_kernel, num_pid_m, h, args2, {**common, "ATOMIC": atomic}, cfg, device)
+    if direct:
+        _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device)
+    else:
+        _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device)
     if atomic:
         out.copy_(target)
     elif target is not out:
         torch.sum(target.view(m, top_k, h), dim=1, out=out)
     return out
+
+
+def _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device) -> None:
+    """Direct mode: one program per (pair, n tile), CUDA-core kernels of runtime/decode_kernels.py."""
+    h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, ids.numel()
+    w13, w2 = weights.w13_qweight, weights.w2_qweight
+    launch_cfg = {k: cfg[k] for k in ("num_warps", "num_stages")}
+    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    _w13_decode_kernel[decode_grid(num_pairs, n_inter, block_n)](
+        x, w13, weights.w13_scales, zeros13, perm, inter, ids,
+        n_inter, h, _group_len(weights, h), x.stride(0), w13.stride(0), w13.stride(1),
+        weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0),
+        HAS_PERM=weights.w13_perm is not None, EVEN_K=h % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        **common, **launch_cfg,
+    )  # fmt: skip
+    _w2_decode_kernel[decode_grid(num_pairs, h, block_n)](
+        inter, w2, weights.w2_scales, zeros2, route_w, target, ids,
+        h, n_inter, _group_len(weights, n_inter), inter.stride(0), w2.stride(0), w2.stride(1),
+        weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0),
+        ATOMIC=atomic, EVEN_K=n_inter % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, **common, **launch_cfg,
+    )  # fmt: skip
+
+
+def _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device) -> None:
+    """Blocks of BLOCK_M pairs sharing an expert (runtime/align.py), tensor-core kernels above."""
+    h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, ids.numel()
+    rows = align_pairs(ids, weights.num_experts, cfg["BLOCK_M"])
+    num_pid_m = rows.max_blocks
+    # One dot per nibble position needs K >= 16 per dot: BLOCK_K >= 16 * pack (a small group shrinks BLOCK_K).
+    nibble_dots = bool(cfg.pop("NIBBLE_DOTS", False)) and cfg["BLOCK_K"] // (32 // weights.bits) >= 16
+    mma = dict(common, FAST=not (common["ACT_DTYPE"] == tl.bfloat16 and weights.bits == 8), NIBBLE_DOTS=nibble_dots)
+    row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
+    view = torch.int32 if nibble_dots else torch.int16
+    w13_words = weights.w13_qweight.view(view)
+    args13 = [x, w13_words, weights.w13_scales, zeros13, perm, inter, *row_args, n_inter, h,
+              _group_len(weights, h), x.stride(0), w13_words.stride(0), w13_words.stride(1),
+              weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0)]  # fmt: skip
+    flags13 = {**mma, "HAS_PERM": weights.w13_perm is not None, "EVEN_K": h % cfg["BLOCK_K"] == 0}
+    _launch(_w13_kernel, num_pid_m, n_inter, args13, flags13, cfg, device)
+    w2_words = weights.w2_qweight.view(view)
+    args2 = [inter, w2_words, weights.w2_scales, zeros2, route_w, target, *row_args, h, n_inter,
+             _group_len(weights, n_inter), inter.stride(0), w2_words.stride(0), w2_words.stride(1),
+             weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0)]  # fmt: skip
+    flags2 = {**mma, "ATOMIC": atomic, "EVEN_K": n_inter % cfg["BLOCK_K"] == 0}
+    _launch(_w2_kernel, num_pid_m, h, args2, flags2, cfg, device)
 
 
 def _group_len(weights: MoeWeights, k: int) -> int:

@@ -41,22 +41,24 @@ def config_file_name(num_experts: int, intermediate_size: int, name: str) -> str
 
 
 def direct_mode(num_pairs: int, num_experts: int) -> bool:
-    """Decode: one block per (token, k) pair beats an alignment launch while pairs rarely share experts."""
-    return num_pairs <= max(8, num_experts // 4)
+    """Decode: one CUDA-core program per (token, k) pair beats sorting while pairs rarely share experts.
+
+    Measured on an H200 (benchmarks/RESULTS.md): direct wins up to 32 pairs (Qwen2-57B M=4, top-8) and loses
+    to the tensor-core path by M=16.
+    """
+    return num_pairs <= max(32, num_experts // 2)
 
 
 def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """A safe config for untuned shapes: small tiles that stream weights at decode, big tiles at prefill."""
+    """A safe config for untuned shapes, following what the H200 sweep picked for the tuned ones."""
     num_pairs = num_tokens * top_k
     per_expert = num_pairs / max(1, num_experts)
     if direct_mode(num_pairs, num_experts):
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, DIRECT=True)
-    if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, DIRECT=True)
     if per_expert <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, NIBBLE_DOTS=True)
     if per_expert <= 256:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 

@@ -134,6 +134,31 @@ def test_eight_bit_direct(device):
     assert err <= 2e-3
 
 
+def test_direct_asym_v1_act_order_g32_atomic_reduce(device):
+    """The decode kernels: zero points, act-order gather and the atomic top-k sum, one row per pair."""
+    scheme = GptqScheme(bits=4, group_size=32, sym=False, checkpoint_format="gptq")
+    weights, sources = make_stack(6, 128, 64, scheme, act_order=True)
+    assert weights.w13_perm is not None and weights.w13_zeros is not None
+    config = dict(
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True, REDUCE="atomic"
+    )
+    err = run_case(weights, sources, scheme, 3, 2, [0, 2, 3, 5], config, device, seed=6)
+    assert err <= 2e-3
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order"),
+    [(GptqScheme(4, 128, True, "gptq"), True), (GptqScheme(4, -1, False, "gptq_v2"), False)],
+    ids=["sym-g128-actorder", "asym-per-channel"],
+)
+def test_aligned_nibble_dots(device, scheme, act_order):
+    """The tensor-core path that runs one dot per nibble position on the int32 words."""
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order)
+    config = dict(BIG, BLOCK_M=16, BLOCK_K=128, NIBBLE_DOTS=True)
+    err = run_case(weights, sources, scheme, 24, 2, [0, 1, 3], config, device, seed=7)
+    assert err <= 2e-3
+
+
 def test_heuristic_config_default_call(device):
     scheme = GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq")
     weights, sources = make_stack(8, 128, 128, scheme)

@@ -52,25 +52,21 @@ def _compile(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps:
 
 
 def compile_config(cfg: dict, act: str, variant: str) -> dict[str, int]:
-    """Compile w13 and w2 for one config; returns shared memory bytes per kernel."""
+    """Compile the w13 and w2 kernels a config selects (decode or tensor-core); shared memory bytes each."""
     import triton.language as tl
 
+    from repack.runtime.decode_kernels import _w2_decode_kernel, _w13_decode_kernel
     from repack.runtime.fused_moe import _w2_kernel, _w13_kernel
 
-    direct = bool(cfg.get("DIRECT", False))
-    tiles = dict(
-        BLOCK_M=16 if direct else cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"]
-    )
     asym = variant == "asym_actorder"
-    common = dict(
-        TOP_K=8, BITS=4, SYM_ZERO=8, DIRECT=direct, HAS_ZEROS=asym, FAST=True, ACT_DTYPE=getattr(tl, act), **tiles
-    )
-    ptr = {"fp16": "*fp16", "bf16": "*bf16"}["bf16" if act == "bfloat16" else "fp16"]
+    ptr = "*bf16" if act == "bfloat16" else "*fp16"
+    nibble = bool(cfg.get("NIBBLE_DOTS", False))
+    word = "*i32" if nibble or cfg.get("DIRECT") else "*i16"
     types = dict(
         x_ptr=ptr,
         inter_ptr=ptr,
         out_ptr=ptr,
-        qw_ptr="*i16",
+        qw_ptr=word,
         scales_ptr="*fp16",
         zeros_ptr="*u8" if asym else "*fp16",
         perm_ptr="*i32",
@@ -80,14 +76,19 @@ def compile_config(cfg: dict, act: str, variant: str) -> dict[str, int]:
         topk_ids_ptr="*i32",
         topk_weights_ptr="*fp32",
     )
-    shared = {}
-    w13 = _compile(_w13_kernel, types, {**common, "HAS_PERM": asym}, cfg["num_warps"], cfg["num_stages"])
-    shared["w13"] = w13.metadata.shared
     atomic = cfg.get("REDUCE") == "atomic"
     types2 = dict(types, out_ptr="*fp32" if atomic else ptr)
-    w2 = _compile(_w2_kernel, types2, {**common, "ATOMIC": atomic}, cfg["num_warps"], cfg["num_stages"])
-    shared["w2"] = w2.metadata.shared
-    return shared
+    common = dict(TOP_K=8, BITS=4, SYM_ZERO=8, HAS_ZEROS=asym, ACT_DTYPE=getattr(tl, act), EVEN_K=True)
+    tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+    launch = (cfg["num_warps"], cfg["num_stages"])
+    if cfg.get("DIRECT"):
+        w13 = _compile(_w13_decode_kernel, types, {**common, **tiles, "HAS_PERM": asym}, *launch)
+        w2 = _compile(_w2_decode_kernel, types2, {**common, **tiles, "ATOMIC": atomic}, *launch)
+    else:
+        mma = dict(common, FAST=True, NIBBLE_DOTS=nibble, BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg["GROUP_M"], **tiles)
+        w13 = _compile(_w13_kernel, types, {**mma, "HAS_PERM": asym}, *launch)
+        w2 = _compile(_w2_kernel, types2, {**mma, "ATOMIC": atomic}, *launch)
+    return {"w13": w13.metadata.shared, "w2": w2.metadata.shared}
 
 
 def _worker() -> None:

@@ -1,0 +1,221 @@
+"""Decode kernels: the fused MoE for a few (token, expert) pairs on CUDA cores, no tensor cores.
+
+At decode every pair is its own GEMV and the whole job is streaming int4 weights at HBM speed, so the
+cost that matters is instructions per weight, and any shared-memory round trip or barrier is pure loss.
+These kernels keep each int32 word of the layout (8 consecutive K values, SPEC.md section 3) in the
+registers it was loaded into and never reshape it:
+
+- nibble ``s < 5`` of word ``w`` is masked in place and OR-ed into the mantissa of ``2^23`` (fp32 bits
+  ``0x4B000000``): the bitcast is exactly ``2^23 + q * 16^s`` (one LOP3); nibbles 5..7 take one shared shift
+  by 12 first, landing at positions 2..4;
+- subtracting ``2^23 + zero * 16^p`` (a per-column constant) leaves ``(q - zero) * 16^p`` exactly (one FADD);
+- the activation is pre-multiplied by ``16^-p`` once per K value, shared by every output row (one FFMA).
+
+About 3 instructions per weight (plus the activation, loaded once per K value), all full-rate fp32/int
+ALU work, instead of shift + mask + convert + shared-memory store + ldmatrix + mma. Scales apply once per
+group to the row sums (BLOCK_K divides the group).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _field_pos(s: tl.constexpr, BITS: tl.constexpr):
+    """(position after the optional shift, shift) of field ``s``: fields that fit below bit 23 stay put."""
+    VALS: tl.constexpr = 32 // BITS
+    SPLIT: tl.constexpr = 5 if BITS == 4 else 2
+    HIGH: tl.constexpr = s >= SPLIT
+    POS: tl.constexpr = s - (VALS - SPLIT) if HIGH else s
+    SHIFT: tl.constexpr = BITS * (VALS - SPLIT) if HIGH else 0
+    return POS, SHIFT
+
+
+@triton.jit
+def _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, s: tl.constexpr, BITS: tl.constexpr,
+             HAS_PERM: tl.constexpr):  # fmt: skip
+    """x[k0 + pack*j + s] * 16^-pos as fp32 [WORDS] (0 past K or past the fields of a word)."""
+    VALS: tl.constexpr = 32 // BITS
+    if s >= VALS:
+        return tl.zeros(offs_w.shape, dtype=tl.float32)
+    POS, _shift = _field_pos(s, BITS)
+    k = k0 + offs_w * VALS + s
+    k_ok = k < K
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0)
+    else:
+        cols = k
+    x = tl.load(x_ptr + x_base + cols, mask=k_ok, other=0.0).to(tl.float32)
+    return x * (1.0 / (1 << (BITS * POS)))
+
+
+@triton.jit
+def _x_block(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, BITS: tl.constexpr, HAS_PERM: tl.constexpr):
+    """The activations one K block multiplies, one [WORDS] vector per field (8; unused ones are 0).
+
+    Returned as separate tensors so the loop can carry them: they are loaded one block ahead, like the
+    weights, and never stall the arithmetic."""
+    return (
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 0, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 1, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 2, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 3, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 4, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 5, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 6, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 7, BITS, HAS_PERM),
+    )
+
+
+@triton.jit
+def _term(words, zf, xs, s: tl.constexpr, BITS: tl.constexpr):
+    """(q - zero) * x for field ``s`` of every word: one LOP3 (+ a shared shift), one FADD, one FMUL/FFMA."""
+    POS, SHIFT = _field_pos(s, BITS)
+    field = ((words >> SHIFT) & (((1 << BITS) - 1) << (BITS * POS))) | 0x4B000000
+    offset = 8388608.0 + zf * (1 << (BITS * POS))
+    return (field.to(tl.float32, bitcast=True) - offset[:, None]) * xs[None, :]
+
+
+@triton.jit
+def _row_dot(words, zero, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
+    """sum_k x[k] * (q[n, k] - zero[n]) over one K block: [BN] fp32 (exact products, fp32 sums)."""
+    zf = zero.to(tl.float32)
+    acc = _term(words, zf, x0, 0, BITS) + _term(words, zf, x1, 1, BITS)
+    acc += _term(words, zf, x2, 2, BITS) + _term(words, zf, x3, 3, BITS)
+    if BITS == 4:
+        acc += _term(words, zf, x4, 4, BITS) + _term(words, zf, x5, 5, BITS)
+        acc += _term(words, zf, x6, 6, BITS) + _term(words, zf, x7, 7, BITS)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _word_mask(n_mask, offs_w, first_word, k_words, EVEN_K: tl.constexpr):
+    """Rows in range, and (only when K is not a multiple of BLOCK_K) words in range: a mask that varies
+    along the words would split the 16-byte loads into single words."""
+    if EVEN_K:
+        return tl.broadcast_to(n_mask[:, None], (n_mask.shape[0], offs_w.shape[0]))
+    return n_mask[:, None] & (first_word + offs_w < k_words)[None, :]
+
+
+@triton.jit
+def _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS: tl.constexpr,
+                  SYM_ZERO: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(scale fp32, zero int32) rows of one group."""
+    scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
+    else:
+        zero = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
+    return scale, zero
+
+
+@triton.jit
+def _w13_decode_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr, topk_ids_ptr,
+    N, K, group_len, stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels.
+
+    Everything a K block needs (weights, scales, zeros, activations) is loaded one block ahead, so the
+    loop never waits on memory twice."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    VALS: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // VALS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    gate_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    up_ptrs = gate_ptrs + N * stride_qw_n
+    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
+    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
+    x_base = token * stride_x
+    perm_base = expert * K
+    k_words = K // VALS
+    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    w_mask = _word_mask(n_mask, offs_w, 0, k_words, EVEN_K)
+    gate_words = tl.load(gate_ptrs, mask=w_mask, other=0)
+    up_words = tl.load(up_ptrs, mask=w_mask, other=0)
+    scale_g, zero_g = _quant_params(scale_ptrs, zero_ptrs, 0, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
+    scale_u, zero_u = _quant_params(scale_ptrs + N, zero_ptrs + N, 0, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+                                    BLOCK_N)  # fmt: skip
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(x_ptr, x_base, 0, perm_ptr, perm_base, K, offs_w, BITS, HAS_PERM)
+    for k0 in range(0, K, BLOCK_K):
+        nxt = k0 + BLOCK_K
+        more = nxt < K
+        gate_ptrs += WORDS
+        up_ptrs += WORDS
+        nxt_mask = _word_mask(n_mask, offs_w, nxt // VALS, k_words, EVEN_K) & more
+        next_gate = tl.load(gate_ptrs, mask=nxt_mask, other=0)
+        next_up = tl.load(up_ptrs, mask=nxt_mask, other=0)
+        group = tl.minimum(nxt, K - 1) // group_len
+        n_scale_g, n_zero_g = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+                                            BLOCK_N)  # fmt: skip
+        n_scale_u, n_zero_u = _quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS,
+                                            SYM_ZERO, BLOCK_N)  # fmt: skip
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(x_ptr, x_base, nxt, perm_ptr, perm_base, K, offs_w, BITS, HAS_PERM)
+        acc_gate += scale_g * _row_dot(gate_words, zero_g, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        acc_up += scale_u * _row_dot(up_words, zero_u, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        gate_words, up_words = next_gate, next_up
+        scale_g, zero_g, scale_u, zero_u = n_scale_g, n_zero_g, n_scale_u, n_zero_u
+        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_inter + offs_n, act.to(ACT_DTYPE), mask=n_mask)
+
+
+@triton.jit
+def _w2_decode_kernel(
+    inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, topk_ids_ptr,
+    N, K, group_len, stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for one pair and BLOCK_N channels."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    VALS: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // VALS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    w_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
+    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
+    x_base = pair.to(tl.int64) * stride_inter
+    k_words = K // VALS
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    words = tl.load(w_ptrs, mask=_word_mask(n_mask, offs_w, 0, k_words, EVEN_K), other=0)
+    scale, zero = _quant_params(scale_ptrs, zero_ptrs, 0, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(inter_ptr, x_base, 0, inter_ptr, 0, K, offs_w, BITS, False)
+    for k0 in range(0, K, BLOCK_K):
+        nxt = k0 + BLOCK_K
+        w_ptrs += WORDS
+        nxt_mask = _word_mask(n_mask, offs_w, nxt // VALS, k_words, EVEN_K) & (nxt < K)
+        next_words = tl.load(w_ptrs, mask=nxt_mask, other=0)
+        group = tl.minimum(nxt, K - 1) // group_len
+        n_scale, n_zero = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+                                        BLOCK_N)  # fmt: skip
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(inter_ptr, x_base, nxt, inter_ptr, 0, K, offs_w, BITS, False)
+        acc += scale * _row_dot(words, zero, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        words, scale, zero = next_words, n_scale, n_zero
+        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
+    acc = acc * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    if ATOMIC:
+        token = (pair // TOP_K).to(tl.int64)
+        tl.atomic_add(out_ptr + token * stride_out + offs_n, acc, mask=n_mask)
+    else:
+        tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, acc.to(ACT_DTYPE), mask=n_mask)
+
+
+def decode_grid(num_pairs: int, n: int, block_n: int) -> tuple[int, int]:
+    return (num_pairs, triton.cdiv(n, block_n))
