@@ -1,7 +1,8 @@
 """Turn sweep results (benchmarks/sweep_moe.py JSON files) into the runtime's tuned config tables.
 
 ``python benchmarks/make_configs.py OUT_DIR SWEEP.json [SWEEP.json ...]``: for every (case, M) the fastest
-config wins, later files overriding earlier ones for the token counts they cover. Writes one
+config over all files wins (each file is one device run; a code path a later run did not time keeps its
+earlier timing). Writes one
 ``E=..,N=..,device_name=...json`` per case (runtime/kernel_config.py's format).
 """
 
@@ -17,16 +18,16 @@ DEVICE = "NVIDIA_H200"
 
 
 def best_configs(paths: list[Path]) -> dict[str, dict[int, dict]]:
-    """case -> M -> fastest config, a later file's measurements replacing an earlier file's for that M."""
-    tables: dict[str, dict[int, dict]] = {}
+    """case -> M -> the fastest config measured in any of the files."""
+    fastest: dict[tuple[str, int], tuple[float, dict]] = {}
     for path in paths:
-        fastest: dict[tuple[str, int], tuple[float, dict]] = {}
         for row in json.loads(path.read_text()):
             key = (row["case"], int(row["M"]))
             if key not in fastest or row["us"] < fastest[key][0]:
                 fastest[key] = (row["us"], row["config"])
-        for (case, m), (_, config) in fastest.items():
-            tables.setdefault(case, {})[m] = config
+    tables: dict[str, dict[int, dict]] = {}
+    for (case, m), (_, config) in fastest.items():
+        tables.setdefault(case, {})[m] = config
     return tables
 
 

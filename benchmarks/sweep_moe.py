@@ -47,6 +47,14 @@ MMA = [
     for nib in ((False, True) if bk == 128 else (False,))
 ]
 SMALL = [c for c in MMA if c["BLOCK_M"] <= 32]
+PREFETCH2 = [dict(c, PREFETCH=2) for c in DECODE[:5]]
+NIBBLE = [c for c in MMA if c["NIBBLE_DOTS"] and c["BLOCK_M"] <= 64]
+NIBBLE_BOTH = NIBBLE + [dict(c, SCALE_ACC=False) for c in NIBBLE]
+SETS = {
+    "all": None,  # SWEEP_M below
+    "decode": {m: DECODE[:5] + PREFETCH2 for m in (1, 2, 4)},
+    "mid": {m: NIBBLE_BOTH for m in (8, 16, 64, 256)},
+}
 SWEEP_M = {1: DECODE, 2: DECODE, 4: DECODE + SMALL, 8: DECODE + SMALL, 16: DECODE[:4] + SMALL, 64: MMA[:9],
            256: MMA, 1024: MMA[4:], 4096: MMA[7:]}  # fmt: skip
 
@@ -57,6 +65,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--ms", default=",".join(map(str, SWEEP_M)), help="token counts to sweep")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--set", default="all", choices=sorted(SETS), help="which config set (and token counts)")
     args = parser.parse_args()
     from repack.runtime.fused_moe import fused_moe
 
@@ -66,9 +75,11 @@ def main() -> None:
         stacks = random_stack(case.experts, case.hidden, case.inter, rotation(expert_bytes * case.top_k))
         for dtype in (torch.float16, torch.bfloat16):
             log(f"check {case.name} {dtype}: {check_case(case, dtype, stacks[0]):.2e} (heuristic)")
-            for cfg in (MMA[5], DECODE[2]):
+            for cfg in (MMA[5], DECODE[2], PREFETCH2[1], dict(MMA[5], SCALE_ACC=False)):
                 log(f"check {case.name} {dtype} {cfg}: {check_case(case, dtype, stacks[0], dict(cfg)):.2e}")
-        for m, configs in ((m, SWEEP_M[m]) for m in map(int, args.ms.split(","))):
+        sweep = SETS[args.set] or SWEEP_M
+        ms = sorted(sweep) if args.set != "all" else map(int, args.ms.split(","))
+        for m, configs in ((m, sweep[m]) for m in ms):
             x = torch.randn(m, case.hidden, device="cuda", dtype=torch.float16)
             ids = torch.stack([torch.randperm(case.experts, device="cuda")[: case.top_k] for _ in range(m)]).int()
             w = torch.rand(m, case.top_k, device="cuda")

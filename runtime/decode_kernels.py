@@ -117,12 +117,12 @@ def _w13_decode_kernel(
     N, K, group_len, stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels.
 
-    Everything a K block needs (weights, scales, zeros, activations) is loaded one block ahead, so the
-    loop never waits on memory twice."""
+    Weights, scales and zeros are loaded PREFETCH (1 or 2) K blocks ahead and the activations one block
+    ahead, so the arithmetic of a block never waits on the memory it needs."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
@@ -141,34 +141,61 @@ def _w13_decode_kernel(
     k_words = K // VALS
     acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    w_mask = _word_mask(n_mask, offs_w, 0, k_words, EVEN_K)
-    gate_words = tl.load(gate_ptrs, mask=w_mask, other=0)
-    up_words = tl.load(up_ptrs, mask=w_mask, other=0)
-    scale_g, zero_g = _quant_params(scale_ptrs, zero_ptrs, 0, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
-    scale_u, zero_u = _quant_params(scale_ptrs + N, zero_ptrs + N, 0, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
-                                    BLOCK_N)  # fmt: skip
+    # Block 0 (and block 1 when PREFETCH == 2) before the loop; the loop loads block k0 + PREFETCH*BLOCK_K.
+    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, 0, K, k_words,
+                                                      group_len, stride_s_g, N, n_mask, offs_w, BITS, HAS_ZEROS,
+                                                      SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, BLOCK_K, K, k_words,
+                                                      group_len, stride_s_g, N, n_mask, offs_w, BITS, HAS_ZEROS,
+                                                      SYM_ZERO, EVEN_K, BLOCK_N,
+                                                      BLOCK_K)  # fmt: skip
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(x_ptr, x_base, 0, perm_ptr, perm_base, K, offs_w, BITS, HAS_PERM)
     for k0 in range(0, K, BLOCK_K):
-        nxt = k0 + BLOCK_K
-        more = nxt < K
-        gate_ptrs += WORDS
-        up_ptrs += WORDS
-        nxt_mask = _word_mask(n_mask, offs_w, nxt // VALS, k_words, EVEN_K) & more
-        next_gate = tl.load(gate_ptrs, mask=nxt_mask, other=0)
-        next_up = tl.load(up_ptrs, mask=nxt_mask, other=0)
-        group = tl.minimum(nxt, K - 1) // group_len
-        n_scale_g, n_zero_g = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
-                                            BLOCK_N)  # fmt: skip
-        n_scale_u, n_zero_u = _quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS,
-                                            SYM_ZERO, BLOCK_N)  # fmt: skip
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(x_ptr, x_base, nxt, perm_ptr, perm_base, K, offs_w, BITS, HAS_PERM)
-        acc_gate += scale_g * _row_dot(gate_words, zero_g, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
-        acc_up += scale_u * _row_dot(up_words, zero_u, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
-        gate_words, up_words = next_gate, next_up
-        scale_g, zero_g, scale_u, zero_u = n_scale_g, n_zero_g, n_scale_u, n_zero_u
+        ahead = k0 + PREFETCH * BLOCK_K
+        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, K,
+                                                          k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
+                                                          HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(x_ptr, x_base, k0 + BLOCK_K, perm_ptr, perm_base, K, offs_w, BITS,
+                                                  HAS_PERM)  # fmt: skip
+        acc_gate += sg_0 * _row_dot(gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        acc_up += su_0 * _row_dot(up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        if PREFETCH == 2:
+            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_1, up_1, sg_1, zg_1, su_1, zu_1
+            gate_1, up_1, sg_1, zg_1, su_1, zu_1 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
+        else:
+            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
         x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(inter_ptr + pair.to(tl.int64) * stride_inter + offs_n, act.to(ACT_DTYPE), mask=n_mask)
+
+
+@triton.jit
+def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s_g, N, n_mask, offs_w,
+               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Gate and up words, scales and zeros of the K block at ``k0`` (zeros past K)."""
+    VALS: tl.constexpr = 32 // BITS
+    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K) & (k0 < K)
+    gate = tl.load(gate_ptrs + k0 // VALS, mask=mask, other=0)
+    up = tl.load(up_ptrs + k0 // VALS, mask=mask, other=0)
+    group = tl.minimum(k0, K - 1) // group_len
+    scale_g, zero_g = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
+    scale_u, zero_u = _quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+                                    BLOCK_N)  # fmt: skip
+    return gate, up, scale_g, zero_g, scale_u, zero_u
+
+
+@triton.jit
+def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s_g, n_mask, offs_w,
+              BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """Words, scales and zeros of the K block at ``k0`` (zeros past K)."""
+    VALS: tl.constexpr = 32 // BITS
+    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K) & (k0 < K)
+    words = tl.load(w_ptrs + k0 // VALS, mask=mask, other=0)
+    group = tl.minimum(k0, K - 1) // group_len
+    scale, zero = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
+    return words, scale, zero
 
 
 @triton.jit
@@ -177,7 +204,7 @@ def _w2_decode_kernel(
     N, K, group_len, stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for one pair and BLOCK_N channels."""
     pair = tl.program_id(0)
@@ -194,20 +221,21 @@ def _w2_decode_kernel(
     x_base = pair.to(tl.int64) * stride_inter
     k_words = K // VALS
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    words = tl.load(w_ptrs, mask=_word_mask(n_mask, offs_w, 0, k_words, EVEN_K), other=0)
-    scale, zero = _quant_params(scale_ptrs, zero_ptrs, 0, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
+    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, 0, K, k_words, group_len, stride_s_g, n_mask, offs_w,
+                              BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N)  # fmt: skip
+    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, BLOCK_K, K, k_words, group_len, stride_s_g, n_mask,
+                              offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N)  # fmt: skip
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(inter_ptr, x_base, 0, inter_ptr, 0, K, offs_w, BITS, False)
     for k0 in range(0, K, BLOCK_K):
-        nxt = k0 + BLOCK_K
-        w_ptrs += WORDS
-        nxt_mask = _word_mask(n_mask, offs_w, nxt // VALS, k_words, EVEN_K) & (nxt < K)
-        next_words = tl.load(w_ptrs, mask=nxt_mask, other=0)
-        group = tl.minimum(nxt, K - 1) // group_len
-        n_scale, n_zero = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
-                                        BLOCK_N)  # fmt: skip
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(inter_ptr, x_base, nxt, inter_ptr, 0, K, offs_w, BITS, False)
-        acc += scale * _row_dot(words, zero, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
-        words, scale, zero = next_words, n_scale, n_zero
+        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, K, k_words, group_len,
+                                  stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N)  # fmt: skip
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(inter_ptr, x_base, k0 + BLOCK_K, inter_ptr, 0, K, offs_w, BITS, False)
+        acc += s_0 * _row_dot(w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        if PREFETCH == 2:
+            w_0, s_0, z_0 = w_1, s_1, z_1
+            w_1, s_1, z_1 = w_n, s_n, z_n
+        else:
+            w_0, s_0, z_0 = w_n, s_n, z_n
         x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
     acc = acc * tl.load(topk_weights_ptr + pair).to(tl.float32)
     if ATOMIC:

@@ -77,11 +77,14 @@ def _dequant(words, scale, zero, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOC
 
 @triton.jit
 def _nibble_dot(acc, x_rows, k0, perm_ptrs, words, scale, zero, s: tl.constexpr, j_mask, a_mask, offs_j,
-                HAS_PERM: tl.constexpr, BITS: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
+                HAS_PERM: tl.constexpr, BITS: tl.constexpr, ACT_DTYPE: tl.constexpr,
+                SCALE_ACC: tl.constexpr):  # fmt: skip
     """acc += A[:, k0 + pack*j + s] @ W[:, k0 + pack*j + s]^T for field ``s`` of every int32 word.
 
     No reshape and no interleave: field s of the [BLOCK_N, BLOCK_K/pack] word tile is a 2-D tile in the
     layout the words were loaded in, and the activation columns it multiplies are gathered (stride pack).
+    SCALE_ACC: the weights stay the exact integers ``q - zero`` (the caller scales the K step's sum once per
+    output column: no per-weight multiply, and no fp32 round trip for bf16); else they are dequantized.
     """
     VALS: tl.constexpr = 32 // BITS
     cols = k0 + offs_j * VALS + s
@@ -91,7 +94,14 @@ def _nibble_dot(acc, x_rows, k0, perm_ptrs, words, scale, zero, s: tl.constexpr,
     q = (words >> (BITS * s)) & ((1 << BITS) - 1)
     if tl.float16 == ACT_DTYPE:
         v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q, exact
-        w = (v - (zero + 1024).to(tl.float16)[:, None]) * scale[:, None]
+        w = v - (zero + 1024).to(tl.float16)[:, None]  # q - zero, exact
+        if not SCALE_ACC:
+            w = w * scale[:, None]
+    elif SCALE_ACC and BITS == 4:
+        v = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q, exact
+        w = v - (zero + 128).to(tl.bfloat16)[:, None]
+    elif SCALE_ACC:
+        w = (q - zero[:, None]).to(ACT_DTYPE)  # |q - zero| <= 255: exact in bf16
     else:
         w = ((q - zero[:, None]).to(tl.float32) * scale.to(tl.float32)[:, None]).to(ACT_DTYPE)
     return tl.dot(a, tl.trans(w), acc)
@@ -105,7 +115,7 @@ def _w13_kernel(
     stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, FAST: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    NIBBLE_DOTS: tl.constexpr,
+    NIBBLE_DOTS: tl.constexpr, SCALE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, n] = silu(gate_n . x) * (up_n . x) for the rows of one block and BLOCK_N channels.
@@ -152,11 +162,23 @@ def _w13_kernel(
         if NIBBLE_DOTS:
             j_mask = (k0 + offs_w * VALS) < K
             a_mask = row_mask[:, None] & j_mask[None, :]
+            if SCALE_ACC:
+                part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            else:
+                part_g = acc_gate
+                part_u = acc_up
             for s in tl.static_range(VALS):
-                acc_gate = _nibble_dot(acc_gate, x_rows, k0, perm_ptrs, gate_words, scale_gate, zero_gate, s, j_mask,
-                                       a_mask, offs_w, HAS_PERM, BITS, ACT_DTYPE)  # fmt: skip
-                acc_up = _nibble_dot(acc_up, x_rows, k0, perm_ptrs, up_words, scale_up, zero_up, s, j_mask,
-                                     a_mask, offs_w, HAS_PERM, BITS, ACT_DTYPE)  # fmt: skip
+                part_g = _nibble_dot(part_g, x_rows, k0, perm_ptrs, gate_words, scale_gate, zero_gate, s, j_mask,
+                                     a_mask, offs_w, HAS_PERM, BITS, ACT_DTYPE, SCALE_ACC)  # fmt: skip
+                part_u = _nibble_dot(part_u, x_rows, k0, perm_ptrs, up_words, scale_up, zero_up, s, j_mask,
+                                     a_mask, offs_w, HAS_PERM, BITS, ACT_DTYPE, SCALE_ACC)  # fmt: skip
+            if SCALE_ACC:
+                acc_gate += part_g * scale_gate.to(tl.float32)[None, :]
+                acc_up += part_u * scale_up.to(tl.float32)[None, :]
+            else:
+                acc_gate = part_g
+                acc_up = part_u
         else:
             k_mask = k0 + offs_k < K
             if EVEN_K:
@@ -187,7 +209,7 @@ def _w2_kernel(
     stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_ZEROS: tl.constexpr, FAST: tl.constexpr, ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr,
-    NIBBLE_DOTS: tl.constexpr,
+    NIBBLE_DOTS: tl.constexpr, SCALE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (NIBBLE_DOTS as in _w13_kernel)."""
@@ -221,9 +243,11 @@ def _w2_kernel(
         if NIBBLE_DOTS:
             j_mask = (k0 + offs_w * VALS) < K
             a_mask = row_mask[:, None] & j_mask[None, :]
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if SCALE_ACC else acc
             for s in tl.static_range(VALS):
-                acc = _nibble_dot(acc, a_rows, k0, a_rows, words, scale, zero, s, j_mask, a_mask, offs_w, False, BITS,
-                                  ACT_DTYPE)  # fmt: skip
+                part = _nibble_dot(part, a_rows, k0, a_rows, words, scale, zero, s, j_mask, a_mask, offs_w, False, BITS,
+                                   ACT_DTYPE, SCALE_ACC)  # fmt: skip
+            acc = acc + part * scale.to(tl.float32)[None, :] if SCALE_ACC else part
         else:
             if EVEN_K:
                 a_mask = tl.broadcast_to(row_mask[:, None], (BLOCK_M, BLOCK_K))
@@ -355,18 +379,21 @@ def _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, 
     w13, w2 = weights.w13_qweight, weights.w2_qweight
     launch_cfg = {k: cfg[k] for k in ("num_warps", "num_stages")}
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    prefetch = int(cfg.get("PREFETCH", 1))  # K blocks loaded ahead of the arithmetic (1 or 2)
     _w13_decode_kernel[decode_grid(num_pairs, n_inter, block_n)](
         x, w13, weights.w13_scales, zeros13, perm, inter, ids,
         n_inter, h, _group_len(weights, h), x.stride(0), w13.stride(0), w13.stride(1),
         weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0),
         HAS_PERM=weights.w13_perm is not None, EVEN_K=h % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH=prefetch,
         **common, **launch_cfg,
     )  # fmt: skip
     _w2_decode_kernel[decode_grid(num_pairs, h, block_n)](
         inter, w2, weights.w2_scales, zeros2, route_w, target, ids,
         h, n_inter, _group_len(weights, n_inter), inter.stride(0), w2.stride(0), w2.stride(1),
         weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0),
-        ATOMIC=atomic, EVEN_K=n_inter % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, **common, **launch_cfg,
+        ATOMIC=atomic, EVEN_K=n_inter % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch,
+        **common, **launch_cfg,
     )  # fmt: skip
 
 
@@ -377,7 +404,12 @@ def _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm,
     num_pid_m = rows.max_blocks
     # One dot per nibble position needs K >= 16 per dot: BLOCK_K >= 16 * pack (a small group shrinks BLOCK_K).
     nibble_dots = bool(cfg.pop("NIBBLE_DOTS", False)) and cfg["BLOCK_K"] // (32 // weights.bits) >= 16
-    mma = dict(common, FAST=not (common["ACT_DTYPE"] == tl.bfloat16 and weights.bits == 8), NIBBLE_DOTS=nibble_dots)
+    mma = dict(
+        common,
+        FAST=not (common["ACT_DTYPE"] == tl.bfloat16 and weights.bits == 8),
+        NIBBLE_DOTS=nibble_dots,
+        SCALE_ACC=bool(cfg.pop("SCALE_ACC", True)),
+    )
     row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
     view = torch.int32 if nibble_dots else torch.int16
     w13_words = weights.w13_qweight.view(view)

@@ -134,13 +134,22 @@ def test_eight_bit_direct(device):
     assert err <= 2e-3
 
 
-def test_direct_asym_v1_act_order_g32_atomic_reduce(device):
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_direct_asym_v1_act_order_g32_atomic_reduce(device, prefetch):
     """The decode kernels: zero points, act-order gather and the atomic top-k sum, one row per pair."""
     scheme = GptqScheme(bits=4, group_size=32, sym=False, checkpoint_format="gptq")
     weights, sources = make_stack(6, 128, 64, scheme, act_order=True)
     assert weights.w13_perm is not None and weights.w13_zeros is not None
     config = dict(
-        BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True, REDUCE="atomic"
+        BLOCK_M=16,
+        BLOCK_N=32,
+        BLOCK_K=64,
+        GROUP_M=1,
+        num_warps=2,
+        num_stages=1,
+        DIRECT=True,
+        REDUCE="atomic",
+        PREFETCH=prefetch,
     )
     err = run_case(weights, sources, scheme, 3, 2, [0, 2, 3, 5], config, device, seed=6)
     assert err <= 2e-3

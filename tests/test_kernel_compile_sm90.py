@@ -82,10 +82,19 @@ def compile_config(cfg: dict, act: str, variant: str) -> dict[str, int]:
     tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     launch = (cfg["num_warps"], cfg["num_stages"])
     if cfg.get("DIRECT"):
-        w13 = _compile(_w13_decode_kernel, types, {**common, **tiles, "HAS_PERM": asym}, *launch)
-        w2 = _compile(_w2_decode_kernel, types2, {**common, **tiles, "ATOMIC": atomic}, *launch)
+        decode = dict(common, PREFETCH=cfg.get("PREFETCH", 1), **tiles)
+        w13 = _compile(_w13_decode_kernel, types, {**decode, "HAS_PERM": asym}, *launch)
+        w2 = _compile(_w2_decode_kernel, types2, {**decode, "ATOMIC": atomic}, *launch)
     else:
-        mma = dict(common, FAST=True, NIBBLE_DOTS=nibble, BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg["GROUP_M"], **tiles)
+        mma = dict(
+            common,
+            FAST=True,
+            NIBBLE_DOTS=nibble,
+            SCALE_ACC=cfg.get("SCALE_ACC", True),
+            BLOCK_M=cfg["BLOCK_M"],
+            GROUP_M=cfg["GROUP_M"],
+            **tiles,
+        )
         w13 = _compile(_w13_kernel, types, {**mma, "HAS_PERM": asym}, *launch)
         w2 = _compile(_w2_kernel, types2, {**mma, "ATOMIC": atomic}, *launch)
     return {"w13": w13.metadata.shared, "w2": w2.metadata.shared}
