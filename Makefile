@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/repack demo $(DEMO_DIR)
+	$(BIN)/repack demo $(DEMO_DIR) --force
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

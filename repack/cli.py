@@ -1,4 +1,4 @@
-"""The ``repack`` command line: convert, verify, inspect (plus push and tune when their modules exist).
+"""The ``repack`` command line: convert, verify, inspect, push, tune, demo.
 
 Every command runs inside :func:`one_line_errors`, so user-facing failures (RepackError, GPTQ format
 errors, safetensors errors, OS errors, Ctrl-C) print a single ``error: ...`` line to stderr and exit
@@ -7,8 +7,6 @@ non-zero; no traceback is ever shown for them.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,11 +63,18 @@ def convert(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (every output tensor) and exit."),
     shard_size: str = typer.Option("5GB", "--shard-size", help="Maximum shard size, e.g. 5GB, 500MB, 2GiB."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    push: str | None = typer.Option(None, "--push", help="Then upload OUT to this Hub repo (see `repack push`)."),
+    private: bool = typer.Option(False, "--private", help="With --push: create the repo private."),
 ) -> None:
     """Convert a GPTQ MoE checkpoint into the repack-moe v1 layout."""
     with one_line_errors():
         from repack.convert import convert as run_convert
 
+        access = None
+        if push and not dry_run:  # check the token before a long conversion, not after
+            from repack.push import check_hub_access
+
+            access = check_hub_access(push)
         result = run_convert(
             src, out, revision=revision, force=force, dry_run=dry_run, shard_size=shard_size, quiet=quiet
         )
@@ -77,6 +82,10 @@ def convert(
             files = result["output_files"]
             total = sum(f["size"] for f in files.values())
             Console(stderr=True).print(f"wrote {out} ({len(files)} files, {total / 1e6:.1f} MB)")
+        if access is not None:
+            from repack.push import push_after_convert
+
+            push_after_convert(out, push, access, private=private)
 
 
 @app.command()
@@ -108,24 +117,53 @@ def inspect(out: Path = typer.Argument(..., help="Output folder of repack conver
         Console().print(inspect_output(out))
 
 
-def _register_optional_commands() -> None:
-    """``push`` (repack/push.py) and ``tune`` (runtime/tune.py) when those modules are installed."""
-    for name, module, attr in (
-        ("push", "repack.push", "push_command"),
-        ("tune", "repack.runtime.tune", "tune_command"),
-    ):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            continue
-        command = getattr(importlib.import_module(module), attr, None)
-        if command is not None:
-            app.command(name)(command)
+@app.command()
+def demo(
+    out_dir: Path = typer.Argument(..., help="Folder for the demo (source/, converted/); must be empty."),
+    force: bool = typer.Option(False, "--force", help="Replace the files of an earlier demo in OUT_DIR."),
+    generate: bool = typer.Option(True, "--generate/--no-generate", help="Run greedy generate (slowest on a CPU)."),
+) -> None:
+    """Write a tiny GPTQ MoE, convert, verify, run it on the runtime and transformers, preview the push."""
+    from repack.demo import demo_command
+
+    demo_command(out_dir, force=force, generate=generate)
 
 
-_register_optional_commands()
+@app.command()
+def tune(
+    checkpoint: Path = typer.Argument(..., help="A converted checkpoint: its routed-expert shapes are tuned."),
+    out_dir: Path = typer.Option(Path("tuned-configs"), "--out", help="Where to write the JSON tables."),
+    dtype: str = typer.Option("float16", "--dtype", help="float16 or bfloat16 activations."),
+) -> None:
+    """Time candidate kernel configs on this GPU and write E=..,N=..,device_name=...json tables.
+
+    Point REPACK_MOE_CONFIG_DIR at the folder (or copy the files into runtime/configs/) to use them.
+    """
+    with one_line_errors():
+        import torch
+
+        from repack.formats.checkpoint import read_repack_config
+        from repack.runtime.tune import tune as tune_shapes
+
+        config, stacks = read_repack_config(checkpoint)
+        top_k = int(config.get("num_experts_per_tok", 1))
+        shapes = sorted(
+            {(s.num_experts, s.hidden_size, s.intermediate_size, top_k) for s in stacks if s.kind == "routed"}
+        )
+        if dtype not in ("float16", "bfloat16"):
+            raise RepackError(f"--dtype {dtype}: use float16 or bfloat16")
+        for path in tune_shapes(shapes, getattr(torch, dtype), out_dir):
+            Console().print(f"wrote {path}")
+
+
+def _register_push() -> None:
+    """``push`` keeps its typer signature in repack/push.py (huggingface_hub is imported there)."""
+    from repack.push import push_command
+
+    app.command("push")(push_command)
+
+
+_register_push()
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ fastest config whose output agrees with the heuristic config's, and writes
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 from collections.abc import Iterable
@@ -24,29 +23,41 @@ from repack.runtime.weights import MoeWeights
 TUNE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+DECODE_CONFIGS = [
+    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=warps, num_stages=1, DIRECT=True, PREFETCH=depth)
+    for bn, warps in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))
+    for depth in (1, 2)
+]
+_TILES = (  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
+    (16, 64, 128, 1, 4, 2),
+    (16, 128, 128, 1, 4, 3),
+    (32, 64, 128, 4, 4, 3),
+    (64, 128, 64, 8, 4, 3),
+    (64, 128, 128, 8, 4, 3),
+    (64, 256, 128, 8, 8, 3),
+    (128, 128, 64, 8, 8, 3),
+    (128, 128, 128, 8, 8, 3),
+    (128, 256, 128, 8, 8, 2),
+)
+TENSOR_CORE_CONFIGS = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=st, NIBBLE_DOTS=nibble)
+    for bm, bn, bk, g, w, st in _TILES
+    for nibble in ((False, True) if bk == 128 else (False,))
+]
+
+
 def candidate_configs(num_tokens: int, top_k: int, num_experts: int) -> list[dict]:
-    """The search space: small tiles (and direct mode) for decode, large tiles for prefill."""
-    pairs_per_expert = num_tokens * top_k / num_experts
-    block_ms = [16] if pairs_per_expert <= 16 else [16, 32, 64] if pairs_per_expert <= 128 else [64, 128]
-    configs = []
-    for bm, bn, bk, warps, stages in itertools.product(block_ms, (32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
-        if bm * bn >= 128 * 128 and warps == 4:
-            continue
-        for reduce in ("pairs", "atomic"):
-            configs.append(
-                dict(
-                    BLOCK_M=bm,
-                    BLOCK_N=bn,
-                    BLOCK_K=bk,
-                    GROUP_M=1 if bm == 16 else 8,
-                    num_warps=warps,
-                    num_stages=stages,
-                    REDUCE=reduce,
-                )
-            )
-    if num_tokens * top_k <= 64:
-        configs += [dict(c, DIRECT=True) for c in configs if c["BLOCK_M"] == 16]
-    return configs
+    """The search space that found the shipped H200 tables (benchmarks/RESULTS.md).
+
+    Decode (CUDA-core, one program per pair) while pairs are few; tensor-core tiles whose BLOCK_M is not far
+    above the rows an expert gets; both top-k reductions where the sum is cheap enough to matter.
+    """
+    pairs = num_tokens * top_k
+    rows_per_expert = pairs / max(1, num_experts)
+    configs = list(DECODE_CONFIGS) if pairs <= 64 else []
+    configs += [c for c in TENSOR_CORE_CONFIGS if c["BLOCK_M"] <= max(16, 4 * rows_per_expert)]
+    reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
+    return [dict(c, REDUCE=r) for c in configs for r in reduces]
 
 
 def _random_weights(e: int, h: int, i: int, group: int, copies: int) -> list[MoeWeights]:
