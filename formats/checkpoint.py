@@ -4,24 +4,32 @@ Both the converter and the runtime loader use this module, so it imports nothing
 are :class:`repack.errors.RepackError` with one line that names the file and says what to do.
 
 - :class:`CheckpointReader` opens a single ``model.safetensors`` or an indexed sharded checkpoint lazily:
-  it parses only the safetensors headers to list names, shapes and dtypes, and memory-maps a shard
-  (``safe_open``) on the first :meth:`CheckpointReader.get` from it.
-- :class:`ShardedWriter` writes ``model-0000i-of-0000N.safetensors`` shards as tensors arrive, holding at
-  most one shard's pending tensors, hashes every byte as it writes it, and renames the shards to their
-  final ``-of-N`` names and writes ``model.safetensors.index.json`` at :meth:`ShardedWriter.close`.
+  it parses only the safetensors headers to list names, shapes, dtypes and file offsets, and
+  :meth:`~CheckpointReader.read` / :meth:`~CheckpointReader.iter_raw` read one tensor's bytes with ``pread``
+  into fresh memory. No file is memory-mapped, so streaming a 30 GB checkpoint leaves no mapped pages
+  counted in the process's RSS.
+- :class:`ShardedWriter` streams tensors into ``model-0000i-of-0000N.safetensors`` shards whose layout is
+  fixed up front from the full list of output tensors (:func:`plan_shards`): each shard's header is
+  written first, then tensor bytes in order, as they arrive, in pieces if need be. A background thread
+  hashes and writes while the caller computes the next tensor; the bytes it may hold are bounded.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import mmap
+import os
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from repack.errors import RepackError
 
@@ -30,6 +38,10 @@ from .repack_v1 import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, QUANT_METHOD, St
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 HASH_CHUNK = 16 << 20
+READ_CHUNK = 16 << 20  # pieces of a large copied tensor (embeddings, lm_head) read at a time
+STAGING_BYTES = 16 << 20  # aligned write buffer of one output file (O_DIRECT writes of this size)
+QUEUE_BYTES = 256 << 20  # most tensor bytes the writer thread may hold that are not yet on disk
+_DIRECT_ALIGN = 4096
 
 # safetensors dtype codes <-> torch dtypes (the subset checkpoints use).
 _DTYPE_CODES = {
@@ -59,6 +71,7 @@ class TensorEntry:
     file: str  # file name relative to the checkpoint folder
     shape: tuple[int, ...]
     dtype: str  # safetensors code, e.g. "I32", "F16"
+    offset: int = -1  # absolute byte offset of the data in the file (-1: unknown)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,10 +79,14 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * torch.empty((), dtype=self.torch_dtype).element_size()
+        return _nbytes(self.shape, self.dtype)
+
+
+def _nbytes(shape: Iterable[int], code: str) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * _DTYPE_CODES[code].itemsize
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -106,7 +123,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (_start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            dtype, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            start, end = int(start), int(end)
         except (KeyError, TypeError, ValueError):
             raise RepackError(
                 f"{path}: corrupt safetensors header entry for {name}; re-download or re-save it"
@@ -118,7 +136,12 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
                 f"{path}: truncated safetensors file (tensor {name} ends at byte {end} of {data_bytes} data "
                 "bytes); re-download it"
             )
-        entries[name] = TensorEntry(name, path.name, shape, dtype)
+        if end - start != _nbytes(shape, dtype):
+            raise RepackError(
+                f"{path}: corrupt safetensors header entry for {name} ({end - start} bytes for {dtype} "
+                f"{list(shape)}); re-download or re-save it"
+            )
+        entries[name] = TensorEntry(name, path.name, shape, dtype, 8 + header_len + start)
     return entries
 
 
@@ -138,7 +161,7 @@ class CheckpointReader:
                     )
                 self.entries[name] = entry
         self._check_index_matches_headers()
-        self._handles: dict[str, object] = {}
+        self._fds: dict[str, int] = {}
 
     def _weight_files(self) -> list[str]:
         """The safetensors files that hold the weights, from the index when there is one."""
@@ -187,20 +210,44 @@ class CheckpointReader:
         return self.entries[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """Load one tensor (memory-mapped read of its bytes only)."""
+        """Load one tensor (its bytes only); same as :meth:`read`."""
+        return self.read(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Load one tensor with ``pread`` into new memory (no mapping of the file stays behind)."""
         entry = self.entry(name)
+        tensor = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        if entry.nbytes:
+            self._pread_into(entry, _writable_bytes(tensor), entry.offset)
+        return tensor
+
+    def iter_raw(self, name: str, chunk_bytes: int = READ_CHUNK) -> Iterator[torch.Tensor]:
+        """The bytes of one tensor as uint8 pieces of at most ``chunk_bytes``, read in file order."""
+        entry = self.entry(name)
+        for start in range(0, entry.nbytes, chunk_bytes):
+            piece = torch.empty(min(chunk_bytes, entry.nbytes - start), dtype=torch.uint8)
+            self._pread_into(entry, memoryview(piece.numpy()), entry.offset + start)
+            yield piece
+
+    def _pread_into(self, entry: TensorEntry, buffer: memoryview, offset: int) -> None:
         path = self.folder / entry.file
-        try:
-            handle = self._handles.get(entry.file)
-            if handle is None:
-                handle = safe_open(str(path), framework="pt")
-                self._handles[entry.file] = handle
-            return handle.get_tensor(name)
-        except SafetensorError as error:
-            raise RepackError(f"{path}: cannot read tensor {name} ({_one_line(error)}); re-download it") from None
+        fd = self._fds.get(entry.file)
+        if fd is None:
+            fd = self._fds[entry.file] = os.open(path, os.O_RDONLY)
+        done = 0
+        while done < len(buffer):
+            count = os.preadv(fd, [buffer[done:]], offset + done)
+            if count == 0:
+                raise RepackError(
+                    f"{path}: truncated while reading tensor {entry.name} (file shorter than its header says); "
+                    "re-download it"
+                )
+            done += count
 
     def close(self) -> None:
-        self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def file_sizes(self) -> dict[str, int]:
         return {file: (self.folder / file).stat().st_size for file in self.files}
@@ -221,23 +268,106 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-class HashingFile:
-    """A binary file opened for writing that hashes every byte it writes (sha256) and counts them."""
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor's storage."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
-    def __init__(self, path: Path) -> None:
+
+class HashingFile:
+    """A file opened for writing that hashes every byte it writes (sha256) and counts them.
+
+    Why the staging buffers: on this project's build machines buffered writes of tens of GB run at a
+    fifth of the disk's speed (page-cache writeback), so bytes are gathered in page-aligned buffers and
+    written with ``O_DIRECT`` in ``staging_bytes`` blocks by a helper thread, while the caller hashes and
+    fills the other buffer; the unaligned tail goes through the page cache. Filesystems without
+    ``O_DIRECT`` (tmpfs) fall back to buffered writes.
+    """
+
+    def __init__(self, path: Path, *, direct: bool = True, staging_bytes: int = STAGING_BYTES) -> None:
         self.path = path
-        self._handle = path.open("wb")
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self._direct = direct and hasattr(os, "O_DIRECT")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            self._fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0), 0o644)
+        except OSError as error:
+            if not self._direct or error.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            self._fd = os.open(path, flags, 0o644)
+        staging_bytes = max(_DIRECT_ALIGN, staging_bytes // _DIRECT_ALIGN * _DIRECT_ALIGN)
+        self._buffers = [mmap.mmap(-1, staging_bytes) for _ in range(2)]
+        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._current = 0  # index of the buffer being filled
+        self._filled = 0
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io")
+        self._inflight: Future | None = None
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
         self.sha256.update(view)
-        self._handle.write(view)
         self.size += len(view)
+        done = 0
+        while done < len(view):
+            target = self._views[self._current]
+            count = min(len(view) - done, len(target) - self._filled)
+            target[self._filled : self._filled + count] = view[done : done + count]
+            self._filled += count
+            done += count
+            if self._filled == len(target):
+                self._hand_over(target)
+
+    def _hand_over(self, block: memoryview) -> None:
+        """Start writing ``block`` in the helper thread and switch to the other buffer once it is free."""
+        self._wait()
+        self._inflight = self._io.submit(self._write_out, block)
+        self._current ^= 1
+        self._filled = 0
+
+    def _wait(self) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()  # re-raises the helper's OSError (disk full) here
+
+    def _write_out(self, block: memoryview) -> None:
+        done = 0
+        while done < len(block):
+            try:
+                done += os.write(self._fd, block[done:])
+            except OSError as error:
+                if not self._direct or error.errno != errno.EINVAL:
+                    raise
+                self._buffered()  # the filesystem refuses direct I/O after all
+
+    def _buffered(self) -> None:
+        if self._direct:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self._direct = False
 
     def close(self) -> None:
-        self._handle.close()
+        """Write the tail (through the page cache: it is not block-sized) and close."""
+        if self._fd < 0:
+            return
+        try:
+            self._wait()
+            if self._filled:
+                self._buffered()
+                self._write_out(self._views[self._current][: self._filled])
+                self._filled = 0
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Close without writing what is still staged (after an error)."""
+        if self._fd < 0:
+            return
+        self._io.shutdown(wait=True)
+        os.close(self._fd)
+        self._fd = -1
+        for view, buffer in zip(self._views, self._buffers, strict=True):
+            view.release()
+            buffer.close()
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -245,29 +375,76 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
-    """Write one safetensors file, hashing while writing; returns (sha256 hex, size in bytes)."""
+def safetensors_header(tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
+    """The 8-byte length plus JSON header (space-padded to 8 bytes) of a file holding (name, code, shape) in order."""
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": dtype_code(tensor.dtype),
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+    for name, code, shape in tensors:
+        nbytes = _nbytes(shape, code)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
+    """Write one safetensors file, hashing while writing; returns (sha256 hex, size in bytes)."""
+    layout = [(name, dtype_code(t.dtype), tuple(t.shape)) for name, t in tensors.items()]
     out = HashingFile(path)
     try:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
+        out.write(safetensors_header(layout, metadata))
         for tensor in tensors.values():
             out.write(_tensor_bytes(tensor))
-    finally:
-        out.close()
+    except BaseException:
+        out.discard()
+        raise
+    out.close()
     return out.sha256.hexdigest(), out.size
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One output tensor as the writer expects it: known before any byte is computed."""
+
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.shape, self.dtype)
+
+
+@dataclass
+class ShardLayout:
+    """One output file: its final name and the tensors it holds, in file order."""
+
+    file: str
+    tensors: list[PlannedTensor] = field(default_factory=list)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def header(self) -> bytes:
+        return safetensors_header(((t.name, t.dtype, t.shape) for t in self.tensors), None)
+
+
+def plan_shards(tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> list[ShardLayout]:
+    """Fill shards in order up to ``max_shard_bytes`` of data (a bigger tensor gets a shard of its own)."""
+    if max_shard_bytes <= 0:
+        raise RepackError(f"shard size must be positive, got {max_shard_bytes} bytes")
+    groups: list[list[PlannedTensor]] = []
+    used = 0
+    for tensor in tensors:
+        if not groups or (groups[-1] and used + tensor.nbytes > max_shard_bytes):
+            groups.append([])
+            used = 0
+        groups[-1].append(tensor)
+        used += tensor.nbytes
+    count = len(groups)
+    return [ShardLayout(f"model-{i:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups, 1)]
 
 
 @dataclass
@@ -277,58 +454,201 @@ class WrittenFile:
     size: int
 
 
-class ShardedWriter:
-    """Stream tensors into size-capped shards plus an index, in the order they are added.
+_END = object()  # queue marker: no more pieces
 
-    A shard is written as soon as the next tensor would overflow it, so memory holds at most one shard's
-    pending tensors. Shards are first written as ``model-0000i.safetensors.partial`` (the total count is
-    unknown until the end) and renamed to ``model-0000i-of-0000N.safetensors`` by :meth:`close`.
+
+class ShardedWriter:
+    """Stream planned tensors into shards plus an index, in plan order, with bounded memory.
+
+    The caller passes every output tensor up front, then the bytes of each, in that order, through
+    :meth:`add` (a whole tensor) or :meth:`write` (the next piece of a tensor, e.g. one expert's slice of
+    a stacked tensor). Pieces go to a background thread that hashes them and writes them to the current
+    shard; :meth:`write` blocks while the thread holds more than ``queue_bytes``, so memory never holds
+    a shard, only the pieces in flight. An error in the thread (disk full) is raised by the next call.
     """
 
-    def __init__(self, folder: str | Path, max_shard_bytes: int) -> None:
-        if max_shard_bytes <= 0:
-            raise RepackError(f"shard size must be positive, got {max_shard_bytes} bytes")
+    def __init__(
+        self,
+        folder: str | Path,
+        tensors: Iterable[PlannedTensor],
+        max_shard_bytes: int,
+        *,
+        queue_bytes: int = QUEUE_BYTES,
+    ) -> None:
         self.folder = Path(folder)
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._partials: list[tuple[Path, list[str], str, int]] = []  # path, names, sha256, size
-        self.total_bytes = 0
+        self.shards = plan_shards(tensors, max_shard_bytes)
+        self.total_bytes = sum(shard.data_bytes for shard in self.shards)
         self.written: list[WrittenFile] = []
+        self.queue_bytes = queue_bytes
+        self.peak_buffered_bytes = 0
+        self._plan = iter([(index, t) for index, shard in enumerate(self.shards) for t in shard.tensors])
+        self._tensor: PlannedTensor | None = None
+        self._shard_index = -1
+        self._remaining = 0
+        self._pending: list[tuple[int, memoryview, object]] = []
+        self._buffered = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._stopping = False
+        self._file: HashingFile | None = None
+        self._file_index = -1
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def current_file(self) -> str:
+        """The shard being written (for error messages)."""
+        index = max(self._file_index, 0)
+        if not self.shards:
+            return str(self.folder)
+        return f"{self.folder / self.shards[index].file} (shard {index + 1} of {len(self.shards)})"
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Tensor bytes handed over but not yet written."""
+        return self._buffered
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self.flush()
-        if name in self._pending or any(name in names for _, names, _, _ in self._partials):
-            raise RepackError(f"output tensor {name} written twice; this is a converter bug, please report it")
-        self._pending[name] = tensor
-        self._pending_bytes += nbytes
-        self.total_bytes += nbytes
+        """Write a whole tensor; its dtype and shape must be the planned ones."""
+        expected = self._next(name)
+        if dtype_code(tensor.dtype) != expected.dtype or tuple(tensor.shape) != expected.shape:
+            raise RepackError(
+                f"output tensor {name} is {dtype_code(tensor.dtype)} {list(tensor.shape)} but the plan says "
+                f"{expected.dtype} {list(expected.shape)}; this is a converter bug, please report it"
+            )
+        self.write(name, tensor)
 
-    def flush(self) -> None:
-        """Write the pending tensors as the next shard."""
-        if not self._pending:
+    def write(self, name: str, piece: torch.Tensor) -> None:
+        """Append the next bytes of tensor ``name`` (its planned dtype, or raw uint8 bytes)."""
+        expected = self._tensor if self._tensor is not None and self._tensor.name == name else self._next(name)
+        code = dtype_code(piece.dtype)
+        if code not in (expected.dtype, "U8"):
+            raise RepackError(
+                f"output tensor {name}: got a {code} piece for a {expected.dtype} tensor; this is a converter bug"
+            )
+        data = _tensor_bytes(piece)
+        if len(data) > self._remaining:
+            raise RepackError(
+                f"output tensor {name}: more bytes than its planned {expected.dtype} {list(expected.shape)}; "
+                "this is a converter bug, please report it"
+            )
+        self._remaining -= len(data)
+        self._put((self._shard_index, data, piece))
+
+    def _next(self, name: str) -> PlannedTensor:
+        """Move on to the next planned tensor, which must be ``name``, after the current one is complete."""
+        if self._tensor is not None and self._remaining:
+            raise RepackError(
+                f"output tensor {self._tensor.name} is {self._remaining} bytes short when {name} starts; "
+                "this is a converter bug, please report it"
+            )
+        if self._tensor is not None and self._tensor.name == name:
+            raise RepackError(f"output tensor {name} written twice; this is a converter bug, please report it")
+        self._shard_index, self._tensor = next(self._plan, (-1, None))
+        if self._tensor is None or self._tensor.name != name:
+            expected = self._tensor.name if self._tensor else "nothing more"
+            raise RepackError(
+                f"output tensor {name} arrived out of plan order (expected {expected}); this is a converter bug"
+            )
+        self._remaining = self._tensor.nbytes
+        if not self._remaining:
+            self._put((self._shard_index, memoryview(b""), None))  # opens the shard of an empty tensor
+        return self._tensor
+
+    def _put(self, item) -> None:
+        with self._cond:
+            size = len(item[1]) if item is not _END else 0
+            while self._pending and self._buffered + size > self.queue_bytes and self._error is None:
+                self._cond.wait()
+            self._raise_thread_error()
+            self._pending.append(item)
+            self._buffered += size
+            self.peak_buffered_bytes = max(self.peak_buffered_bytes, self._buffered)
+            self._cond.notify_all()
+
+    def _raise_thread_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._closed = True
+            raise error
+
+    def _drain(self) -> None:
+        """Writer thread: hash and write pieces in order, opening each shard with its header."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._pending and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    item = self._pending[0]
+                if item is _END:
+                    self._finish_file()
+                    return
+                shard_index, data, _ = item
+                if shard_index != self._file_index:
+                    self._finish_file()
+                    self._open(shard_index)
+                if len(data):
+                    self._file.write(data)
+                with self._cond:
+                    if self._pending:  # abort() may have emptied it meanwhile
+                        self._pending.pop(0)
+                        self._buffered -= len(data)
+                    self._cond.notify_all()
+        except BaseException as error:  # re-raised on the caller's thread
+            if self._file is not None:
+                self._file.discard()
+                self._file = None
+            with self._cond:
+                self._error = error
+                self._pending.clear()
+                self._buffered = 0
+                self._cond.notify_all()
+
+    def _open(self, index: int) -> None:
+        self._file_index = index
+        self._file = HashingFile(self.folder / self.shards[index].file)
+        self._file.write(self.shards[index].header())
+
+    def _finish_file(self) -> None:
+        if self._file is None:
             return
-        path = self.folder / f"model-{len(self._partials) + 1:05d}.safetensors.partial"
-        sha, size = write_safetensors(path, self._pending)
-        self._partials.append((path, list(self._pending), sha, size))
-        self._pending = {}
-        self._pending_bytes = 0
+        file, self._file = self._file, None
+        file.close()
+        self.written.append(WrittenFile(file.path.name, file.sha256.hexdigest(), file.size))
 
     def close(self) -> list[WrittenFile]:
-        """Flush, rename shards to their final names, write the index; returns every file written."""
-        self.flush()
-        count = len(self._partials)
-        weight_map: dict[str, str] = {}
-        for i, (path, names, sha, size) in enumerate(self._partials, start=1):
-            final = f"model-{i:05d}-of-{count:05d}.safetensors"
-            path.rename(self.folder / final)
-            weight_map.update(dict.fromkeys(names, final))
-            self.written.append(WrittenFile(final, sha, size))
+        """Wait for every byte, check the plan is complete, write the index; returns every file written."""
+        if self._tensor is not None and self._remaining:
+            raise RepackError(f"output tensor {self._tensor.name} is {self._remaining} bytes short at close")
+        missing = next(self._plan, None)
+        if missing is not None:
+            raise RepackError(f"output tensor {missing[1].name} was never written; this is a converter bug")
+        self._put(_END)
+        self._thread.join()
+        self._raise_thread_error()
+        self._closed = True
+        weight_map = {t.name: shard.file for shard in self.shards for t in shard.tensors}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         self.written.append(write_json(self.folder / INDEX_FILE, index))
         return self.written
+
+    def abort(self) -> None:
+        """Stop the thread and close the open shard (after an error or Ctrl-C); the caller deletes the folder."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._stopping = True
+            self._pending.clear()
+            self._buffered = 0
+            self._cond.notify_all()
+        self._thread.join()
+        if self._file is not None:
+            self._file.discard()
+            self._file = None
 
 
 def write_json(path: Path, data: dict) -> WrittenFile:

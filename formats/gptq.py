@@ -77,6 +77,17 @@ class GptqLinear:
     g_idx: torch.Tensor | None = None
     bias: torch.Tensor | None = None
 
+    @classmethod
+    def from_tensors(cls, tensors, module: str) -> GptqLinear:
+        """The linear ``module`` out of a name -> tensor mapping (a dict, or anything with ``get``)."""
+        return cls(
+            qweight=tensors[f"{module}.qweight"],
+            qzeros=tensors[f"{module}.qzeros"],
+            scales=tensors[f"{module}.scales"],
+            g_idx=tensors.get(f"{module}.g_idx"),
+            bias=tensors.get(f"{module}.bias"),
+        )
+
     @property
     def out_features(self) -> int:
         return int(self.qweight.shape[1])

@@ -19,6 +19,7 @@ P1/P2 are the stable sorts of ``g_idx`` so that after sorting input row k belong
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -134,50 +135,124 @@ def pack_stack(info: StackInfo, experts: list[tuple[GptqLinear, GptqLinear, Gptq
 
     ``info.act_order_*`` must already say whether any expert has a non-trivial g_idx (see :func:`plan_flags`).
     A single source expert is split into ``info.num_experts`` chunks along its intermediate dimension.
+    This is :func:`iter_pack_stack` with every part of a tensor concatenated.
+    """
+    qweights = {
+        name: linear.qweight
+        for names, linears in zip(info.source_modules, experts, strict=True)
+        for name, linear in zip(names, linears, strict=True)
+    }
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, part in iter_pack_stack(info, experts, qweights.__getitem__):
+        parts.setdefault(name, []).append(part)
+    return {name: torch.cat(chunks) for name, chunks in parts.items()}
+
+
+QweightLoader = Callable[[str], torch.Tensor]
+
+
+def iter_pack_stack(
+    info: StackInfo, experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]], load_qweight: QweightLoader
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(output name, part)`` in file order; the parts of one name concatenate along the expert axis.
+
+    Streaming form of :func:`pack_stack` so a converter holds one source expert's qweights at a time:
+    ``experts`` only needs real ``qzeros``, ``scales`` and ``g_idx`` (small); each ``qweight`` may be a
+    shape-only (meta) tensor, and ``load_qweight(module)`` is called for the real one when it is needed.
+    Every permutation is validated before the first part is yielded. Without act-order the packed words
+    are a transpose of the GPTQ words (no nibble unpacking); P2 alone only reorders whole w13 rows.
     """
     scheme = info.scheme
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in STACK_TENSORS}
-    for triple_names, (gate, up, down) in zip(info.source_modules, experts, strict=True):
-        gate_name, up_name, down_name = triple_names
-        p1 = sort_permutation(gate_name, gate, scheme)
-        p1_up = sort_permutation(up_name, up, scheme)
-        if (p1 is None) != (p1_up is None) or (p1 is not None and not torch.equal(p1, p1_up)):
-            raise GptqFormatError(
-                f"{gate_name} / {up_name}: gate and up have different act-order permutations; they share one "
-                "input, so a merged w13 needs one order (re-quantize with the same desc_act order)"
-            )
-        p2 = sort_permutation(down_name, down, scheme)
-        h, i_total = gate.in_features(scheme), gate.out_features
-        p1 = _identity(h) if p1 is None else p1
-        p2 = _identity(i_total) if p2 is None else p2
-        p1_long, p2_long = p1.long(), p2.long()
-
-        q_gate = unpack_along_rows(gate.qweight, scheme.bits)[p1_long][:, p2_long]  # [H, I] sorted
-        q_up = unpack_along_rows(up.qweight, scheme.bits)[p1_long][:, p2_long]
-        q_down = unpack_along_rows(down.qweight, scheme.bits)[p2_long]  # [I, H] sorted rows
-        s_gate, s_up = gate.scales[:, p2_long], up.scales[:, p2_long]
-        z_gate = read_zero_points(gate.qzeros, scheme)[:, p2_long]
-        z_up = read_zero_points(up.qzeros, scheme)[:, p2_long]
-        z_down = read_zero_points(down.qzeros, scheme)
-
-        chunks = info.chunks_per_source
-        i = info.intermediate_size
-        g2_per_chunk = scheme.groups(i)
-        for c in range(chunks):
-            cols = slice(c * i, (c + 1) * i)
-            w13 = torch.cat([q_gate[:, cols], q_up[:, cols]], dim=1)  # [H, 2I]
-            parts["w13_qweight"].append(pack_along_rows(w13, scheme.bits).t().contiguous())
-            parts["w13_scales"].append(torch.cat([s_gate[:, cols], s_up[:, cols]], dim=1))
-            parts["w13_zeros"].append(torch.cat([z_gate[:, cols], z_up[:, cols]], dim=1))
-            parts["w13_perm"].append(p1)
-            rows = slice(c * i, (c + 1) * i)
-            groups = slice(c * g2_per_chunk, (c + 1) * g2_per_chunk)
-            parts["w2_qweight"].append(pack_along_rows(q_down[rows], scheme.bits).t().contiguous())
-            parts["w2_scales"].append(down.scales[groups])
-            parts["w2_zeros"].append(z_down[groups])
-            parts["w2_perm"].append(p2[rows])
+    perms = [
+        _expert_permutations(names, linears, scheme)
+        for names, linears in zip(info.source_modules, experts, strict=True)
+    ]
+    sources = list(zip(info.source_modules, experts, perms, strict=True))
+    chunks, i = info.chunks_per_source, info.intermediate_size
     wanted = {name.rsplit(".", 1)[1] for name in info.tensor_names()}
-    return {f"{info.prefix}.{name}": torch.stack(parts[name]) for name in STACK_TENSORS if name in wanted}
+    name = lambda kind: f"{info.prefix}.{kind}"  # noqa: E731
+
+    for (gate_name, up_name, _), _, (p1, p2) in sources:
+        gate = _sorted_rows(load_qweight(gate_name), p1, scheme)
+        up = _sorted_rows(load_qweight(up_name), p1, scheme)
+        for chunk in range(chunks):
+            yield name("w13_qweight"), _w13_qweight(gate, up, p2, chunk, i)
+    for _, (gate, up, _), (_, p2) in sources:
+        yield name("w13_scales"), _w13_columns(gate.scales, up.scales, p2, chunks, i)
+    if "w13_zeros" in wanted:
+        for _, (gate, up, _), (_, p2) in sources:
+            z_gate, z_up = read_zero_points(gate.qzeros, scheme), read_zero_points(up.qzeros, scheme)
+            yield name("w13_zeros"), _w13_columns(z_gate, z_up, p2, chunks, i)
+    if "w13_perm" in wanted:
+        for _, (gate, _, _), (p1, _) in sources:
+            h = gate.in_features(scheme)
+            yield name("w13_perm"), (_identity(h) if p1 is None else p1).expand(chunks, h).contiguous()
+    for (_, _, down_name), _, (_, p2) in sources:
+        down = _sorted_rows(load_qweight(down_name), p2, scheme)
+        words = down.shape[0] // chunks
+        for chunk in range(chunks):  # [1, H, I/pack]: the words of one chunk, transposed
+            yield name("w2_qweight"), down[chunk * words : (chunk + 1) * words].t().contiguous().unsqueeze(0)
+    for _, (_, _, down), _ in sources:
+        yield name("w2_scales"), down.scales.reshape(chunks, -1, down.scales.shape[1])
+    if "w2_zeros" in wanted:
+        for _, (_, _, down), _ in sources:
+            zeros = read_zero_points(down.qzeros, scheme)
+            yield name("w2_zeros"), zeros.reshape(chunks, -1, zeros.shape[1])
+    if "w2_perm" in wanted:
+        for _, _, (_, p2) in sources:
+            yield name("w2_perm"), (_identity(chunks * i) if p2 is None else p2).reshape(chunks, i)
+
+
+def _expert_permutations(
+    names: list[str], linears: tuple[GptqLinear, GptqLinear, GptqLinear], scheme: GptqScheme
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(P1, P2) of one source expert, None where trivial; gate and up must share P1."""
+    gate_name, up_name, down_name = names
+    gate, up, down = linears
+    p1 = sort_permutation(gate_name, gate, scheme)
+    p1_up = sort_permutation(up_name, up, scheme)
+    if (p1 is None) != (p1_up is None) or (p1 is not None and not torch.equal(p1, p1_up)):
+        raise GptqFormatError(
+            f"{gate_name} / {up_name}: gate and up have different act-order permutations; they share one "
+            "input, so a merged w13 needs one order (re-quantize with the same desc_act order)"
+        )
+    return p1, sort_permutation(down_name, down, scheme)
+
+
+def _w13_qweight(gate: torch.Tensor, up: torch.Tensor, p2: torch.Tensor | None, chunk: int, i: int) -> torch.Tensor:
+    """``[1, 2I, H/pack]`` of one chunk from input-sorted words: gate rows then up rows, outputs in P2 order.
+
+    Only whole words move (a transpose, and a row gather for P2), so nothing is unpacked."""
+    out = torch.empty((1, 2 * i, gate.shape[0]), dtype=torch.int32)
+    if p2 is None:
+        out[0, :i].copy_(gate[:, chunk * i : (chunk + 1) * i].t())
+        out[0, i:].copy_(up[:, chunk * i : (chunk + 1) * i].t())
+    else:
+        channels = p2[chunk * i : (chunk + 1) * i].long()
+        torch.index_select(gate.t(), 0, channels, out=out[0, :i])
+        torch.index_select(up.t(), 0, channels, out=out[0, i:])
+    return out
+
+
+def _sorted_rows(qweight: torch.Tensor, perm: torch.Tensor | None, scheme: GptqScheme) -> torch.Tensor:
+    """GPTQ words with their input rows in ``perm`` order: the input order changes inside words, so
+    this unpacks and repacks (only for act-order)."""
+    if perm is None:
+        return qweight
+    return pack_along_rows(unpack_along_rows(qweight, scheme.bits)[perm.long()], scheme.bits)
+
+
+def _w13_columns(gate: torch.Tensor, up: torch.Tensor, p2: torch.Tensor | None, chunks: int, i: int) -> torch.Tensor:
+    """Scales or zeros ``[G1, I_total]`` of gate and up -> ``[chunks, G1, 2I]`` in w13's row order."""
+    if p2 is not None:
+        gate, up = gate[:, p2.long()], up[:, p2.long()]
+    g = gate.shape[0]
+    return (
+        torch.cat([gate.reshape(g, chunks, 1, i), up.reshape(g, chunks, 1, i)], dim=2)
+        .reshape(g, chunks, 2 * i)
+        .transpose(0, 1)
+        .contiguous()
+    )
 
 
 def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,13 +264,22 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
     out: dict[str, torch.Tensor] = {}
     for s, (gate_name, up_name, down_name) in enumerate(info.source_modules):
         experts = range(s * chunks, (s + 1) * chunks)
-        q13 = torch.cat([unpack_along_rows(get("w13_qweight")[x].t(), scheme.bits) for x in experts], dim=1)
-        # q13 columns: chunk c holds [gate_c | up_c]; regroup into gate and up, each [H, I_total] sorted.
-        q13 = q13.view(h, chunks, 2, i)
-        q_gate, q_up = q13[:, :, 0].reshape(h, -1), q13[:, :, 1].reshape(h, -1)
+        # Without act-order on the input (P1 = identity) the GPTQ words are w13's words transposed, and
+        # without it on w2's input the same holds for down: only whole words move, nothing is unpacked.
+        if info.act_order_w13:
+            q13 = torch.cat([unpack_along_rows(get("w13_qweight")[x].t(), scheme.bits) for x in experts], dim=1)
+        else:
+            q13 = torch.cat([get("w13_qweight")[x].t() for x in experts], dim=1)
+        # q13 columns: chunk c holds [gate_c | up_c]; regroup into gate and up, each [rows, I_total] sorted.
+        rows = q13.shape[0]
+        q13 = q13.view(rows, chunks, 2, i)
+        q_gate, q_up = q13[:, :, 0].reshape(rows, -1), q13[:, :, 1].reshape(rows, -1)
         s13 = torch.cat([get("w13_scales")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
         s_gate, s_up = s13[:, :, 0].reshape(s13.shape[0], -1), s13[:, :, 1].reshape(s13.shape[0], -1)
-        q_down = torch.cat([unpack_along_rows(get("w2_qweight")[x].t(), scheme.bits) for x in experts], dim=0)
+        if info.act_order_w2:
+            q_down = torch.cat([unpack_along_rows(get("w2_qweight")[x].t(), scheme.bits) for x in experts], dim=0)
+        else:
+            q_down = torch.cat([get("w2_qweight")[x].t() for x in experts], dim=0)
         s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
         if info.sym:
             z13 = torch.full((s13.shape[0], 2 * chunks * i), scheme.sym_zero, dtype=torch.uint8)
@@ -213,13 +297,18 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         inv1, inv2 = torch.argsort(p1), torch.argsort(p2)
 
         for name, q, sc, zp in ((gate_name, q_gate, s_gate, z_gate), (up_name, q_up, s_up, z_up)):
-            q = q[inv1][:, inv2]
-            out[f"{name}.qweight"] = pack_along_rows(q, scheme.bits)
+            if info.act_order_w13:
+                out[f"{name}.qweight"] = pack_along_rows(q[inv1][:, inv2], scheme.bits)
+            else:
+                out[f"{name}.qweight"] = q[:, inv2] if info.act_order_w2 else q.contiguous()
             out[f"{name}.qzeros"] = write_zero_points(zp[:, inv2].contiguous(), scheme)
             out[f"{name}.scales"] = sc[:, inv2].contiguous()
             if info.has_g_idx:
                 out[f"{name}.g_idx"] = trivial_g_idx(h, scheme)[inv1].contiguous()
-        out[f"{down_name}.qweight"] = pack_along_rows(q_down[inv2], scheme.bits)
+        if info.act_order_w2:
+            out[f"{down_name}.qweight"] = pack_along_rows(q_down[inv2], scheme.bits)
+        else:
+            out[f"{down_name}.qweight"] = q_down.contiguous()
         out[f"{down_name}.qzeros"] = write_zero_points(z_down.contiguous(), scheme)
         out[f"{down_name}.scales"] = s_down.contiguous()
         if info.has_g_idx:

@@ -116,13 +116,7 @@ def read_source(folder: Path) -> tuple[dict, GptqScheme, dict[str, torch.Tensor]
 
 def source_weight(tensors: dict[str, torch.Tensor], module: str, scheme: GptqScheme) -> torch.Tensor:
     """float32 [out, in] weight of the source GPTQ linear ``module``, by the bit-exact GPTQ reader."""
-    linear = GptqLinear(
-        tensors[f"{module}.qweight"],
-        tensors[f"{module}.qzeros"],
-        tensors[f"{module}.scales"],
-        tensors.get(f"{module}.g_idx"),
-    )
-    return dequantize(linear, scheme, torch.float32)
+    return dequantize(GptqLinear.from_tensors(tensors, module), scheme, torch.float32)
 
 
 # ------------------------------------------------------------------------------- block reference

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from repack.errors import RepackError
 from repack.families import MoeLayer, detect_family, find_moe_layers
-from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader
+from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, PlannedTensor
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear
 from repack.formats.repack_v1 import INDEX_FILE, MANIFEST_FILE, ROUTED, SHARED, StackInfo, plan_flags
 from repack.quant_config import QuantConfig, parse_quant_config
@@ -24,6 +24,7 @@ from repack.source import SourceCheckpoint
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 _OUTPUT_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.partial)?$")
 _ELEMENT_SIZE = {"int32": 4, "float16": 2, "uint8": 1}
+_SAFETENSORS_CODE = {"int32": "I32", "float16": "F16", "uint8": "U8"}
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,18 @@ class Plan:
     @property
     def output_bytes(self) -> int:
         return sum(group.nbytes for group in self.groups)
+
+    def output_tensors(self) -> list[PlannedTensor]:
+        """Every output tensor in the order the converter writes it (what the shard layout is built from)."""
+        tensors = []
+        for group in self.groups:
+            for step in group.steps:
+                if isinstance(step, CopyTensor):
+                    tensors.append(PlannedTensor(step.name, step.dtype, tuple(step.shape)))
+                    continue
+                for name, (shape, dtype) in step.outputs.items():
+                    tensors.append(PlannedTensor(name, _SAFETENSORS_CODE[dtype], tuple(shape)))
+        return tensors
 
     def copied_file_bytes(self) -> int:
         return sum((self.source.path / name).stat().st_size for name in self.files_to_copy)

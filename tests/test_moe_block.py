@@ -120,13 +120,7 @@ def test_unsupported_family_is_a_one_line_error():
 
 def source_linear(tensors: dict[str, torch.Tensor], module: str, scheme: GptqScheme) -> torch.Tensor:
     """fp32 [out, in] weight of a source GPTQ linear."""
-    linear = GptqLinear(
-        tensors[f"{module}.qweight"],
-        tensors[f"{module}.qzeros"],
-        tensors[f"{module}.scales"],
-        tensors.get(f"{module}.g_idx"),
-    )
-    return dequantize(linear, scheme, torch.float32)
+    return dequantize(GptqLinear.from_tensors(tensors, module), scheme, torch.float32)
 
 
 def source_mlp(tensors, module: str, names: tuple[str, str, str], scheme: GptqScheme, x: torch.Tensor) -> torch.Tensor:
