@@ -11,7 +11,6 @@ at the speed of reading the files.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import struct
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from repack.errors import RepackError
-from repack.formats.checkpoint import read_repack_config
+from repack.formats.checkpoint import read_repack_config, read_safetensors_header
 from repack.formats.repack_v1 import INDEX_FILE, ROUTED, SHARED, StackInfo
 from repack.runtime.weights import MoeWeights
 
@@ -31,25 +30,7 @@ if TYPE_CHECKING:
 
 SINGLE_FILE = "model.safetensors"
 STAGING_CHUNK_BYTES = 256 << 20  # per pinned staging buffer; two of them alternate
-MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-}
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -98,37 +79,20 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def read_shard_layout(file: Path) -> ShardLayout:
-    """Parse a safetensors header and check every tensor's byte range against the file size."""
-    file_size = file.stat().st_size
+    """Where a shard's data region starts and where each tensor lies in it.
+
+    The header is parsed and checked (dtypes, sizes, ranges inside the file) by the format's own reader,
+    ``formats.checkpoint.read_safetensors_header``; this adds the data region's bounds for the byte copy.
+    """
+    header = read_safetensors_header(file)
     with open(file, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise RepackError(f"{file}: truncated safetensors file (no header); re-download or re-convert")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(MAX_HEADER_BYTES, file_size - 8):
-            raise RepackError(f"{file}: corrupt safetensors header length; re-download or re-convert")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise RepackError(f"{file}: corrupt safetensors header (bad JSON); re-download or re-convert") from None
+        (header_len,) = struct.unpack("<Q", handle.read(8))
     data_start = 8 + header_len
-    data_bytes = file_size - data_start
-    entries = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
-        if dtype is None:
-            raise RepackError(f"{file}: tensor {name} has unsupported dtype {meta.get('dtype')!r}")
-        shape = tuple(int(d) for d in meta["shape"])
-        begin, end = (int(x) for x in meta["data_offsets"])
-        if end - begin != math.prod(shape) * dtype.itemsize or not 0 <= begin <= end <= data_bytes:
-            raise RepackError(
-                f"{file}: tensor {name} lies outside the file or has the wrong size (truncated or corrupt "
-                "file); re-download or re-convert"
-            )
-        entries.append(TensorEntry(name, dtype, shape, begin, end))
-    return ShardLayout(file, data_start, data_bytes, tuple(entries))
+    entries = tuple(
+        TensorEntry(e.name, e.torch_dtype, e.shape, e.offset - data_start, e.offset - data_start + e.nbytes)
+        for e in header.values()
+    )
+    return ShardLayout(file, data_start, file.stat().st_size - data_start, entries)
 
 
 def _read_exactly(handle, target: memoryview, file: Path) -> None:
