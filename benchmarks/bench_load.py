@@ -75,7 +75,10 @@ def main() -> None:
     if not (out / "config.json").exists():
         start = time.perf_counter()
         cli = "from repack.cli import main; main()"
-        subprocess.run([sys.executable, "-c", cli, "convert", str(src), str(out), "--quiet"], check=True)
+        done = subprocess.run([sys.executable, "-c", cli, "convert", str(src), str(out), "--quiet"], capture_output=True,
+                              text=True)  # fmt: skip
+        if done.returncode:
+            raise SystemExit(f"repack convert failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         print(f"convert: {time.perf_counter() - start:.1f} s", flush=True)
     files = sorted(out.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
