@@ -75,8 +75,8 @@ def main() -> None:
     if not (out / "config.json").exists():
         start = time.perf_counter()
         cli = "from repack.cli import main; main()"
-        done = subprocess.run([sys.executable, "-c", cli, "convert", str(src), str(out), "--quiet"], capture_output=True,
-                              text=True)  # fmt: skip
+        command = [sys.executable, "-c", cli, "convert", str(src), str(out), "--quiet"]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"repack convert failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         print(f"convert: {time.perf_counter() - start:.1f} s", flush=True)
