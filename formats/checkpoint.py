@@ -221,6 +221,18 @@ class CheckpointReader:
             self._pread_into(entry, _writable_bytes(tensor), entry.offset)
         return tensor
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the first dimension of one tensor, reading only their bytes."""
+        entry = self.entry(name)
+        rows = entry.shape[0] if entry.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise RepackError(f"{self.folder}: rows {start}:{stop} of tensor {name} are outside its {rows} rows")
+        row_bytes = entry.nbytes // max(rows, 1)
+        tensor = torch.empty((stop - start, *entry.shape[1:]), dtype=entry.torch_dtype)
+        if tensor.numel():
+            self._pread_into(entry, _writable_bytes(tensor), entry.offset + start * row_bytes)
+        return tensor
+
     def iter_raw(self, name: str, chunk_bytes: int = READ_CHUNK) -> Iterator[torch.Tensor]:
         """The bytes of one tensor as uint8 pieces of at most ``chunk_bytes``, read in file order."""
         entry = self.entry(name)

@@ -20,7 +20,7 @@ P1/P2 are the stable sorts of ``g_idx`` so that after sorting input row k belong
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -314,6 +314,14 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         if info.has_g_idx:
             out[f"{down_name}.g_idx"] = trivial_g_idx(chunks * i, scheme)[inv2].contiguous()
     return out
+
+
+def split_by_source(info: StackInfo) -> Iterator[tuple[StackInfo, slice]]:
+    """One (stack info, rows of the E axis) per source expert: what :func:`unpack_stack` needs to rebuild that
+    expert alone, so a verifier holds one expert in memory instead of a whole layer."""
+    chunks = info.chunks_per_source
+    for s, triple in enumerate(info.source_modules):
+        yield replace(info, num_experts=chunks, source_modules=[triple]), slice(s * chunks, (s + 1) * chunks)
 
 
 def plan_flags(

@@ -16,7 +16,7 @@ import torch
 
 from repack.errors import RepackError
 from repack.formats.checkpoint import CheckpointReader, hash_file, read_repack_config
-from repack.formats.repack_v1 import MANIFEST_FILE, unpack_stack
+from repack.formats.repack_v1 import MANIFEST_FILE, split_by_source, unpack_stack
 from repack.source import resolve_source
 
 
@@ -89,18 +89,19 @@ def check_tensors(out: Path, src_folder: Path, report: VerifyReport) -> None:
     for info in stacks:
         names = info.tensor_names()
         stack_tensors.update(names)
-        rebuilt = unpack_stack(info, {name: output.get(name) for name in names})
-        for name, tensor in rebuilt.items():
-            if name not in source:
-                raise RepackError(f"{out}: stack {info.prefix} rebuilds {name}, which the source does not have")
-            original = source.get(name)
-            if not same_bits(tensor, original):
-                raise RepackError(
-                    f"{out}: stack {info.prefix} does not rebuild source tensor {name} bit for bit "
-                    f"({_describe(tensor)} vs {_describe(original)}); the output is corrupt, re-convert"
-                )
-            covered.add(name)
-            report.tensors_compared += 1
+        for expert_info, rows in split_by_source(info):  # one source expert in memory at a time
+            stored = {name: output.read_rows(name, rows.start, rows.stop) for name in names}
+            for name, tensor in unpack_stack(expert_info, stored).items():
+                if name not in source:
+                    raise RepackError(f"{out}: stack {info.prefix} rebuilds {name}, which the source does not have")
+                original = source.get(name)
+                if not same_bits(tensor, original):
+                    raise RepackError(
+                        f"{out}: stack {info.prefix} does not rebuild source tensor {name} bit for bit "
+                        f"({_describe(tensor)} vs {_describe(original)}); the output is corrupt, re-convert"
+                    )
+                covered.add(name)
+                report.tensors_compared += 1
         report.stacks_checked += 1
     for name in output.names():
         if name in stack_tensors:

@@ -186,3 +186,21 @@ def test_fixture_layers_round_trip(fixture):
         for name in triple:
             for field in ("qweight", "qzeros", "scales", "g_idx"):
                 assert torch.equal(back[f"{name}.{field}"], model.get_tensor(f"{name}.{field}"))
+
+
+def test_split_by_source_rebuilds_each_expert_alone():
+    """What `repack verify` does to hold one expert at a time: slices of the E axis, one source expert each."""
+    from repack.formats.repack_v1 import split_by_source
+
+    scheme = GptqScheme(4, 64, False, "gptq")
+    info, names, sources = _stack(scheme, act_order=True, experts=3)
+    chunked, chunk_names, chunk_sources = _stack(scheme, act_order=True, experts=4, chunks=2, inter=64)
+    for stack_info, triples, linears in ((info, names, sources), (chunked, chunk_names, chunk_sources)):
+        tensors = pack_stack(stack_info, linears)
+        parts = list(split_by_source(stack_info))
+        assert len(parts) == len(triples)
+        for (sub, rows), triple, source in zip(parts, triples, linears, strict=True):
+            back = unpack_stack(sub, {name: tensor[rows] for name, tensor in tensors.items()})
+            for name, linear in zip(triple, source, strict=True):
+                assert torch.equal(back[f"{name}.qweight"], linear.qweight)
+                assert torch.equal(back[f"{name}.qzeros"], linear.qzeros)

@@ -206,3 +206,15 @@ def test_disk_full_during_convert_is_one_line(tmp_path, monkeypatch):
     assert written["bytes"] > 1 << 20
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_reader_reads_a_row_range_without_the_rest(tmp_path):
+    from repack.formats.checkpoint import CheckpointReader, write_safetensors
+
+    stack = torch.arange(5 * 3 * 4, dtype=torch.int32).view(5, 3, 4)
+    write_safetensors(tmp_path / "model.safetensors", {"w": stack})
+    reader = CheckpointReader(tmp_path)
+    assert torch.equal(reader.read_rows("w", 1, 3), stack[1:3])
+    assert reader.read_rows("w", 2, 2).shape == (0, 3, 4)
+    with pytest.raises(RepackError, match="rows 4:6 of tensor w"):
+        reader.read_rows("w", 4, 6)
