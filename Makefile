@@ -10,8 +10,8 @@ DEMO_DIR ?= demo-out
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# The CPU wheel of torch first, so nothing below pulls a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# The CPU wheel of torch first, so nothing below pulls a multi-GB CUDA build; triton as on the H200 we measure on.
+	$(BIN)/python -m pip install -q torch==2.13.0 triton==3.6.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

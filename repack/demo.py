@@ -36,7 +36,6 @@ from safetensors import safe_open
 
 from repack.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, dequantize
-from repack.formats.repack_v1 import ROUTED, SHARED
 
 BLOCK_TOLERANCE = 5e-3  # relative, runtime MoE block vs float32 source reference (tests/test_moe_block.py)
 LOGIT_TOLERANCE = 1e-2  # relative, transformers logits vs float32 reference model (tests/test_hf.py)
@@ -48,8 +47,6 @@ SEED = 0
 DEMO_REPO_ID = "your-org/qwen2moe-tiny-repack"
 # The interpreter runs the direct decode kernels (one program per pair and N tile) about 30x slower than the
 # aligned tensor-core path, so on the CPU every token count uses the aligned path: one JSON entry per shape.
-INTERPRETER_KERNEL_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
-INTERPRETER_CONFIG_FOLDER = "interpreter-kernel-configs"
 
 T = TypeVar("T")
 
@@ -87,18 +84,6 @@ def interpreter_active() -> bool:
     return isinstance(fused._w13_kernel, InterpretedFunction) and isinstance(
         linear._gptq_linear_kernel, InterpretedFunction
     )
-
-
-def use_interpreter_configs(folder: Path, shapes: set[tuple[int, int]]) -> None:
-    """Point the runtime at tuned-config tables for device "cpu" that pick the aligned path for every M."""
-    from repack.runtime.kernel_config import config_file_name, load_configs
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for num_experts, intermediate in sorted(shapes):
-        table = {"1": INTERPRETER_KERNEL_CONFIG}
-        (folder / config_file_name(num_experts, intermediate, "cpu")).write_text(json.dumps(table, indent=1))
-    os.environ["REPACK_MOE_CONFIG_DIR"] = str(folder)
-    load_configs.cache_clear()
 
 
 # ------------------------------------------------------------------------------------ source tensors
@@ -204,13 +189,6 @@ def check_block_agreement(converted: Path, source: dict, device: str, report: De
 
     config, scheme, tensors = source
     ckpt = load(converted, device, torch.float16)
-    if device == "cpu":
-        shapes = set()
-        for layer in ckpt.moe_layers:
-            for stack in (ckpt.moe_weights(layer, ROUTED), ckpt.moe_weights(layer, SHARED)):
-                if stack is not None:
-                    shapes.add((stack.num_experts, stack.intermediate_size))
-        use_interpreter_configs(converted.parent / INTERPRETER_CONFIG_FOLDER, shapes)
     generator = torch.Generator().manual_seed(SEED)
     errors = []
     for layer in ckpt.moe_layers:
@@ -296,7 +274,7 @@ def prepare_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not force:
             raise RepackError(f"{out_dir}: folder is not empty; pass --force to replace the demo files in it")
-        for name in ("source", "converted", INTERPRETER_CONFIG_FOLDER):
+        for name in ("source", "converted"):
             shutil.rmtree(out_dir / name, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
 

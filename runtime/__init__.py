@@ -2,11 +2,19 @@
 
 The names below are imported on first use, so ``import repack.runtime`` stays cheap: it loads neither
 triton nor the CLI until a kernel or the loader is needed.
+
+Importing this package also makes ``transformers.AutoModelForCausalLM.from_pretrained`` understand
+``quant_method: "repack"`` (runtime/hf_quantizer.py). Registering needs transformers' quantizer registry,
+whose import costs seconds, so it is not imported here: when it is already loaded we register now,
+otherwise a one-shot import hook registers right after transformers first imports it.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,3 +49,37 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+_TRANSFORMERS_REGISTRY = "transformers.quantizers.auto"
+
+
+def _register_repack_quantizer() -> None:
+    """hf_quantizer registers itself when imported (also when it is the module that triggered the import)."""
+    importlib.import_module("repack.runtime.hf_quantizer")
+
+
+class _RegisterAfterTransformersImport(importlib.abc.MetaPathFinder):
+    """Finds transformers' quantizer registry like the normal path finder, and registers ours once it has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TRANSFORMERS_REGISTRY:
+            return None
+        sys.meta_path.remove(self)  # one shot
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def execute_then_register(module) -> None:
+            execute(module)
+            _register_repack_quantizer()
+
+        spec.loader.exec_module = execute_then_register
+        return spec
+
+
+if _TRANSFORMERS_REGISTRY in sys.modules:
+    _register_repack_quantizer()
+elif not any(isinstance(finder, _RegisterAfterTransformersImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterTransformersImport())

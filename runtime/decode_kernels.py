@@ -173,12 +173,16 @@ def _w13_decode_kernel(
 def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s_g, N, n_mask, offs_w,
                BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Gate and up words, scales and zeros of the K block at ``k0`` (zeros past K)."""
+    """Gate and up words, scales and zeros of the K block at ``k0``.
+
+    A block past K (a prefetch the loop never uses) reads the last real block again instead: always in
+    bounds, and no scalar term in the mask to break the 16-byte loads."""
     VALS: tl.constexpr = 32 // BITS
-    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K) & (k0 < K)
+    k0 = tl.minimum(k0, (K - 1) // BLOCK_K * BLOCK_K)
+    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
     gate = tl.load(gate_ptrs + k0 // VALS, mask=mask, other=0)
     up = tl.load(up_ptrs + k0 // VALS, mask=mask, other=0)
-    group = tl.minimum(k0, K - 1) // group_len
+    group = k0 // group_len
     scale_g, zero_g = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
     scale_u, zero_u = _quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
                                     BLOCK_N)  # fmt: skip
@@ -188,12 +192,13 @@ def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_
 @triton.jit
 def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s_g, n_mask, offs_w,
               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-              BLOCK_N: tl.constexpr):  # fmt: skip
-    """Words, scales and zeros of the K block at ``k0`` (zeros past K)."""
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Words, scales and zeros of the K block at ``k0`` (past K: the last real block, as in _w13_block)."""
     VALS: tl.constexpr = 32 // BITS
-    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K) & (k0 < K)
+    k0 = tl.minimum(k0, (K - 1) // BLOCK_K * BLOCK_K)
+    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
     words = tl.load(w_ptrs + k0 // VALS, mask=mask, other=0)
-    group = tl.minimum(k0, K - 1) // group_len
+    group = k0 // group_len
     scale, zero = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
     return words, scale, zero
 
@@ -222,13 +227,14 @@ def _w2_decode_kernel(
     k_words = K // VALS
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, 0, K, k_words, group_len, stride_s_g, n_mask, offs_w,
-                              BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N)  # fmt: skip
+                              BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
     w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, BLOCK_K, K, k_words, group_len, stride_s_g, n_mask,
-                              offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N)  # fmt: skip
+                              offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(inter_ptr, x_base, 0, inter_ptr, 0, K, offs_w, BITS, False)
     for k0 in range(0, K, BLOCK_K):
         w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, K, k_words, group_len,
-                                  stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N)  # fmt: skip
+                                  stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                  BLOCK_K)  # fmt: skip
         n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(inter_ptr, x_base, k0 + BLOCK_K, inter_ptr, 0, K, offs_w, BITS, False)
         acc += s_0 * _row_dot(w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
         if PREFETCH == 2:

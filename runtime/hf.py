@@ -70,7 +70,7 @@ class HfMoeBlock(nn.Module):
 # -------------------------------------------------------------------------------------------- kernels
 
 
-def check_kernel_backend(device: torch.device) -> None:
+def check_kernel_backend(device: torch.device, caller: str = "load_hf_model") -> None:
     """On the CPU the kernels can only run in the Triton interpreter; refuse early if it is off.
 
     When nothing has imported triton yet, ``TRITON_INTERPRET=1`` is set here so the kernels are defined
@@ -86,7 +86,7 @@ def check_kernel_backend(device: torch.device) -> None:
 
     if not isinstance(gptq_linear._gptq_linear_kernel, InterpretedFunction):
         raise RepackError(
-            "load_hf_model: device='cpu' needs the Triton interpreter, but triton was imported without "
+            f"{caller}: device='cpu' needs the Triton interpreter, but triton was imported without "
             "TRITON_INTERPRET=1; set TRITON_INTERPRET=1 before importing torch/triton, or use device='cuda'"
         )
 

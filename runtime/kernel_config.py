@@ -92,11 +92,19 @@ def load_configs(num_experts: int, intermediate_size: int, name: str) -> dict[in
     return table
 
 
+# On the CPU the kernels run in Triton's interpreter, one program after another: the cost is the number of
+# programs, not bytes, so every M takes the sorted path with wide tiles (the decode path's one program per
+# token-expert pair and BLOCK_N tile is the slowest choice there). Tests pass explicit configs for the rest.
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
+
+
 def get_config(weights, num_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tuned config of the nearest M for this device and shape, else the heuristic's."""
+    """Tuned config of the nearest M for this device and shape, else the heuristic's (the interpreter's on CPU)."""
     del dtype  # one table serves fp16 and bf16 (same bytes and tiles)
     table = load_configs(weights.num_experts, weights.intermediate_size, device_name(device))
     if not table:
+        if torch.device(device).type == "cpu":
+            return dict(INTERPRETER_CONFIG)
         return heuristic_config(num_tokens, top_k, weights.num_experts)
     nearest = min(table, key=lambda m: abs(m - num_tokens))
     return dict(table[nearest])

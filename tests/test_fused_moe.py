@@ -168,11 +168,17 @@ def test_aligned_nibble_dots(device, scheme, act_order):
     assert err <= 2e-3
 
 
-def test_heuristic_config_default_call(device):
+def test_default_and_heuristic_configs(device):
+    """No config: the device's choice (tuned table, heuristic, or the interpreter's on CPU); and the heuristic
+    an untuned GPU takes at decode (the direct path), run explicitly."""
+    from repack.runtime.kernel_config import heuristic_config
+
     scheme = GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq")
     weights, sources = make_stack(8, 128, 128, scheme)
-    err = run_case(weights, sources, scheme, 1, 2, list(range(8)), None, device, seed=5)  # heuristic: direct
-    assert err <= 2e-3
+    assert run_case(weights, sources, scheme, 1, 2, list(range(8)), None, device, seed=5) <= 2e-3
+    decode = heuristic_config(1, 2, 8)
+    assert decode["DIRECT"]
+    assert run_case(weights, sources, scheme, 1, 2, list(range(8)), decode, device, seed=8) <= 2e-3
 
 
 def test_shared_expert_as_chunks_with_sigmoid_gate(device):
