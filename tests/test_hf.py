@@ -21,7 +21,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.runtime.gptq_linear import GptqW4A16Linear
 from repack.runtime.hf import HfMoeBlock, load_hf_model
-from tests.fixture_paths import FIXTURES, FIXTURES_DIR
+from tests.fixture_paths import FIXTURES, FIXTURES_DIR, assert_logits_match_reference
 
 GENERATE_FIXTURE = "qwen3moe-g128-sym"  # no shared expert: half the kernel launches of qwen2
 LAYER_TYPES_FIXTURE = "qwen2moe-g128-sym"  # its config.json lists layer_types, which transformers validates
@@ -46,15 +46,7 @@ def reference(name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", [path.name for path in FIXTURES])
 def test_logits_match_gptqmodel_reference(name, converted, device):
     model = load_hf_model(converted[name], device=device, dtype=torch.float16)
-    ref = reference(name)
-    with torch.no_grad():
-        logits = model(input_ids=ref["input_ids"].to(device), use_cache=False).logits.float().cpu()
-    expected = ref["fp16.logits"].float()
-    assert logits.shape == expected.shape
-    relative = (logits - expected).abs().max() / expected.abs().max()
-    agreement = (logits.argmax(-1) == expected.argmax(-1)).float().mean()
-    assert relative <= 1e-2, f"relative logit error {relative:.2e}"
-    assert agreement >= 0.95, f"argmax agreement {agreement:.3f}"
+    assert_logits_match_reference(model, name, device)
 
 
 @pytest.mark.parametrize("name", [path.name for path in FIXTURES])

@@ -24,7 +24,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.runtime.gptq_linear import GptqW4A16Linear
 from repack.runtime.hf_quantizer import RepackMoeBlock
-from tests.fixture_paths import FIXTURES_DIR
+from tests.fixture_paths import FIXTURES_DIR, assert_logits_match_reference
 
 # act-order + a stacked shared expert (Qwen2-MoE), and plain g128 with q/k norms (Qwen3-MoE)
 LOGIT_FIXTURES = ("qwen2moe-g32-actorder", "qwen3moe-g128-sym")
@@ -65,16 +65,7 @@ def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", LOGIT_FIXTURES)
 def test_logits_match_gptqmodel_reference(name, models):
     model = models[name]
-    ref = load_file(FIXTURES_DIR / name / "reference.safetensors")
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(input_ids=ref["input_ids"].to(device), use_cache=False).logits.float().cpu()
-    expected = ref["fp16.logits"].float()
-    assert logits.shape == expected.shape
-    relative = (logits - expected).abs().max() / expected.abs().max()
-    agreement = (logits.argmax(-1) == expected.argmax(-1)).float().mean()
-    assert relative <= 1e-2, f"relative logit error {relative:.2e}"
-    assert agreement >= 0.95, f"argmax agreement {agreement:.3f}"
+    assert_logits_match_reference(model, name, next(model.parameters()).device)
 
 
 @pytest.mark.parametrize("name", LOGIT_FIXTURES)
