@@ -32,6 +32,9 @@ def test_wheel_holds_namespaced_packages_only(wheel):
     assert tops == {"repack"}
     for expected in ("repack/cli.py", "repack/runtime/__init__.py", "repack/formats/SPEC.md", "repack/formats/gptq.py"):
         assert expected in names
+    shipped = sorted(n for n in names if n.startswith("repack/runtime/configs/") and n.endswith(".json"))
+    in_repo = sorted(f"repack/runtime/configs/{p.name}" for p in (REPO / "runtime" / "configs").glob("*.json"))
+    assert shipped == in_repo and shipped, "tuned kernel configs missing from the wheel"
 
 
 def test_clean_venv_runs_cli_and_imports(wheel, tmp_path):
