@@ -55,8 +55,15 @@ _TRANSFORMERS_REGISTRY = "transformers.quantizers.auto"
 
 
 def _register_repack_quantizer() -> None:
-    """hf_quantizer registers itself when imported (also when it is the module that triggered the import)."""
-    importlib.import_module("repack.runtime.hf_quantizer")
+    """hf_quantizer registers itself when imported (also when it is the module that triggered the import).
+
+    A transformers version our quantizer does not fit must not break transformers itself: warn instead."""
+    try:
+        importlib.import_module("repack.runtime.hf_quantizer")
+    except Exception as error:  # noqa: BLE001 - any failure here is reported, never raised into transformers
+        import warnings
+
+        warnings.warn(f"repack: could not register the 'repack' quantizer with transformers ({error})", stacklevel=2)
 
 
 class _RegisterAfterTransformersImport(importlib.abc.MetaPathFinder):
