@@ -79,11 +79,19 @@ def temp_folder_for(out: Path) -> Path:
 
 
 def remove_stale_temps(out: Path) -> None:
-    """Delete ``.OUT.tmp-<pid>`` folders of runs whose process no longer exists (killed conversions)."""
+    """Clean up after killed runs: delete their ``.OUT.tmp-<pid>`` folders, and put back a previous OUT that a
+    ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing."""
     for path in out.parent.glob(f".{out.name}.tmp-*"):
         pid = path.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _process_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
+    for path in out.parent.glob(f".{out.name}.old-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            if out.exists():
+                shutil.rmtree(path, ignore_errors=True)  # the new OUT was published; this is the leftover
+            else:
+                path.rename(out)
 
 
 def _process_alive(pid: int) -> bool:
@@ -96,7 +104,15 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def check_output_target(out: Path, force: bool) -> None:
+def check_output_target(out: Path, force: bool, source: Path | None = None) -> None:
+    """OUT may be created or (with --force) replaced; never when it is, holds, or lies inside the source."""
+    if source is not None:
+        src, dst = source.resolve(), out.resolve()
+        if dst == src or dst in src.parents or src in dst.parents:
+            raise RepackError(
+                f"{out}: the output folder must not be, contain or lie inside the source {source}; choose a "
+                "separate output folder"
+            )
     if out.exists() and not out.is_dir():
         raise RepackError(f"{out}: exists and is a file; choose another output folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -505,10 +521,11 @@ def convert(
     if dry_run:
         (console or Console()).print(plan.describe())
         return plan
-    check_output_target(out, force)
+    if out.parent.is_dir():
+        remove_stale_temps(out)  # first: it may put back an OUT that a killed --force run had moved away
+    check_output_target(out, force, source.path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(out)
         temp = temp_folder_for(out)
         temp.mkdir()
     except OSError as error:

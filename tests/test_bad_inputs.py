@@ -213,3 +213,24 @@ def test_existing_nonempty_out_refused(tmp_path):
     (out / "keep.txt").write_text("mine")
     assert_one_line_error(run_cli("convert", SYM, out, "--quiet"), str(out), "--force")
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_output_overlapping_the_source_is_refused_even_with_force(tmp_path):
+    """`--force` replaces OUT: it must never be the source, a folder holding it, or a folder inside it."""
+    src = copy_checkpoint(Path(SYM), tmp_path / "models" / "qwen")
+    (tmp_path / "models" / "other").mkdir()
+    (tmp_path / "models" / "other" / "data.txt").write_text("keep me")
+    for out in (src, src.parent, src / "out"):
+        result = run_cli("convert", src, out, "--force", "--quiet")
+        assert_one_line_error(result, "must not be, contain or lie inside the source")
+    assert (src / "model.safetensors").exists() and (tmp_path / "models" / "other" / "data.txt").exists()
+
+
+def test_killed_force_run_gets_the_previous_output_back(tmp_path):
+    """A --force run killed between moving OUT aside and publishing leaves `.OUT.old-<pid>`: put back next run."""
+    out = tmp_path / "out"
+    assert run_cli("convert", SYM, out, "--quiet").exit_code == 0
+    out.rename(tmp_path / ".out.old-999999")  # a pid that does not exist
+    result = run_cli("convert", SYM, out, "--quiet")
+    assert_one_line_error(result, "exists and is not empty")  # OUT is back: refused without --force
+    assert (out / "repack_manifest.json").exists() and not (tmp_path / ".out.old-999999").exists()
