@@ -93,7 +93,9 @@ def _align_kernel(
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
         rank = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
         slot = tl.sum(onehot * (starts[None, :] + rank), axis=1)
-        tl.store(sorted_pairs_ptr + slot, pairs, mask=pairs < num_pairs)
+        # An id outside [0, E) has no segment: skip it rather than land on slot 0 over another token's pair.
+        known = tl.sum(onehot, axis=1) > 0
+        tl.store(sorted_pairs_ptr + slot, pairs, mask=(pairs < num_pairs) & known)
         seen += tl.sum(onehot, axis=0)
 
 

@@ -112,9 +112,15 @@ def _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS: t
 
 
 @triton.jit
+def _expert_of(topk_ids_ptr, pair, num_experts):
+    """The pair's expert, clamped into the stack: a bad id (NaN router logits) must not read past the weights."""
+    return tl.minimum(tl.maximum(tl.load(topk_ids_ptr + pair), 0), num_experts - 1).to(tl.int64)
+
+
+@triton.jit
 def _w13_decode_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr, topk_ids_ptr,
-    N, K, group_len, stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+    num_experts, N, K, group_len, stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
@@ -125,7 +131,7 @@ def _w13_decode_kernel(
     ahead, so the arithmetic of a block never waits on the memory it needs."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    expert = _expert_of(topk_ids_ptr, pair, num_experts)
     token = (pair // TOP_K).to(tl.int64)
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
@@ -206,7 +212,7 @@ def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s
 @triton.jit
 def _w2_decode_kernel(
     inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, topk_ids_ptr,
-    N, K, group_len, stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    num_experts, N, K, group_len, stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
@@ -214,7 +220,7 @@ def _w2_decode_kernel(
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for one pair and BLOCK_N channels."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    expert = _expert_of(topk_ids_ptr, pair, num_experts)
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -381,7 +381,7 @@ def _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, 
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     prefetch = int(cfg.get("PREFETCH", 1))  # K blocks loaded ahead of the arithmetic (1 or 2)
     _w13_decode_kernel[decode_grid(num_pairs, n_inter, block_n)](
-        x, w13, weights.w13_scales, zeros13, perm, inter, ids,
+        x, w13, weights.w13_scales, zeros13, perm, inter, ids, weights.num_experts,
         n_inter, h, _group_len(weights, h), x.stride(0), w13.stride(0), w13.stride(1),
         weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0),
         HAS_PERM=weights.w13_perm is not None, EVEN_K=h % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -389,7 +389,7 @@ def _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, 
         **common, **launch_cfg,
     )  # fmt: skip
     _w2_decode_kernel[decode_grid(num_pairs, h, block_n)](
-        inter, w2, weights.w2_scales, zeros2, route_w, target, ids,
+        inter, w2, weights.w2_scales, zeros2, route_w, target, ids, weights.num_experts,
         h, n_inter, _group_len(weights, n_inter), inter.stride(0), w2.stride(0), w2.stride(1),
         weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0),
         ATOMIC=atomic, EVEN_K=n_inter % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch,

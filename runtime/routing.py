@@ -41,7 +41,8 @@ def _route_kernel(
     # Experts already taken are set to -1 so they lose every later argmax (probabilities are >= 0).
     # Two passes over the same selection: the first only sums the chosen weights (for renormalising), so
     # every weight is stored once, from registers, already final.
-    candidates = tl.where(valid, probs, -1.0)
+    # NaN never equals the max, which would select no expert at all: a NaN probability loses like a taken one.
+    candidates = tl.where(valid & (probs == probs), probs, -1.0)
     total = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
     if RENORMALIZE:
         remaining = candidates
@@ -57,7 +58,8 @@ def _route_kernel(
         best_id = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
         remaining = tl.where(experts[None, :] == best_id[:, None], -1.0, remaining)
         tl.store(weights_ptr + tokens * TOP_K + k, best / total, mask=tokens < num_tokens)
-        tl.store(ids_ptr + tokens * TOP_K + k, best_id.to(tl.int32), mask=tokens < num_tokens)
+        safe_id = tl.minimum(best_id, num_experts - 1)  # an all-NaN row still yields a valid expert id
+        tl.store(ids_ptr + tokens * TOP_K + k, safe_id.to(tl.int32), mask=tokens < num_tokens)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -229,3 +229,21 @@ def test_config_too_big_for_device_shrinks_at_run_time():
     fitted = fit_config(big, "cuda:7", launch, "w13-test")
     assert fitted["num_stages"] == 2 and fitted["BLOCK_K"] == 64 and len(tried) == 3
     assert fit_config(big, "cuda:7", launch, "w13-test") == fitted and len(tried) == 4  # remembered
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+def test_an_out_of_range_expert_id_only_affects_its_own_token(device, direct):
+    """One token with a bad expert id (e.g. from NaN logits) must leave every other token's output intact."""
+    scheme = GptqScheme(bits=4, group_size=64, sym=True, checkpoint_format="gptq")
+    weights, _ = make_stack(4, 128, 64, scheme)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 128, generator=gen).half().to(device)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    w = torch.rand(3, 2, generator=gen)
+    config = dict(BIG, BLOCK_M=16, BLOCK_K=64, DIRECT=direct)
+    dev = MoeWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(weights).items()})
+    good = fused_moe(x, dev, ids.to(device), w.to(device), config=dict(config))
+    bad_ids = ids.clone()
+    bad_ids[2] = torch.tensor([4, 7], dtype=torch.int32)
+    bad = fused_moe(x, dev, bad_ids.to(device), w.to(device), config=dict(config))
+    assert torch.equal(bad[:2], good[:2])

@@ -56,3 +56,11 @@ def test_align_sorts_pairs_into_single_expert_blocks(device, tokens, top_k, expe
     assert sorted(seen) == list(range(num_pairs))
     assert bool((block_experts[num_blocks:] == -1).all()) and bool((pairs[num_blocks:] == num_pairs).all())
     assert list(block_experts[:num_blocks]) == sorted(block_experts[:num_blocks].tolist())
+
+
+def test_nan_logits_still_give_expert_ids_in_range(device):
+    """A NaN router row (a broken request) must not produce ids past the stack: those would read other memory."""
+    logits = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("nan")] * 4, [0.5, 0.1, 0.2, 0.3]], device=device)
+    _, ids = route(logits, 2, True)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 4
+    assert ids[2].tolist() == [0, 3]
