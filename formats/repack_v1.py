@@ -39,6 +39,7 @@ FORMAT_NAME = "repack-moe"
 FORMAT_VERSION = 1
 QUANT_METHOD = "repack"
 MANIFEST_FILE = "repack_manifest.json"
+CARD_FILE = "README.md"  # the model card: written and owned by `repack push`, not a conversion output
 INDEX_FILE = "model.safetensors.index.json"
 
 STACK_TENSORS = ("w13_qweight", "w13_scales", "w13_zeros", "w13_perm", "w2_qweight", "w2_scales", "w2_zeros", "w2_perm")

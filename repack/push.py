@@ -38,10 +38,11 @@ from rich.table import Table
 from repack.card import is_generated_card, render_model_card
 from repack.errors import RepackError
 from repack.formats.checkpoint import hash_file
+from repack.formats.repack_v1 import CARD_FILE, MANIFEST_FILE
 
-MANIFEST_NAME = "repack_manifest.json"
+MANIFEST_NAME = MANIFEST_FILE
 CONFIG_NAME = "config.json"
-CARD_NAME = "README.md"
+CARD_NAME = CARD_FILE
 KNOWN_FORMAT = "repack-moe"
 KNOWN_FORMAT_VERSIONS = (1,)
 DEFAULT_BRANCH = "main"

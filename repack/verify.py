@@ -16,7 +16,7 @@ import torch
 
 from repack.errors import RepackError
 from repack.formats.checkpoint import CheckpointReader, hash_file, read_repack_config
-from repack.formats.repack_v1 import MANIFEST_FILE, split_by_source, unpack_stack
+from repack.formats.repack_v1 import CARD_FILE, MANIFEST_FILE, split_by_source, unpack_stack
 from repack.source import resolve_source
 
 
@@ -40,7 +40,7 @@ def read_manifest(out: Path) -> dict:
 
 
 def check_output_files(out: Path, manifest: dict, report: VerifyReport) -> None:
-    listed = manifest.get("output_files") or {}
+    listed = {name: meta for name, meta in (manifest.get("output_files") or {}).items() if name != CARD_FILE}
     for name, expected in listed.items():
         path = out / name
         if not path.is_file():
@@ -50,7 +50,7 @@ def check_output_files(out: Path, manifest: dict, report: VerifyReport) -> None:
             raise RepackError(f"{path}: sha256 differs from {MANIFEST_FILE} (file changed or corrupt); re-convert")
         report.files_checked += 1
     present = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
-    extra = sorted(present - set(listed) - {MANIFEST_FILE})
+    extra = sorted(present - set(listed) - {MANIFEST_FILE, CARD_FILE})
     if extra:
         raise RepackError(f"{out / extra[0]}: not listed in {MANIFEST_FILE}; remove it or re-convert")
 

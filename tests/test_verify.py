@@ -105,3 +105,18 @@ def test_wrong_source_fails(out, tmp_path):
 def test_extra_file_in_output_fails(out):
     (out / "stray.bin").write_bytes(b"x")
     assert_one_line_error(run_cli("verify", out), "stray.bin", "not listed")
+
+
+def test_verify_passes_after_push_wrote_the_model_card(tmp_path):
+    """`repack push` writes README.md after the manifest; verify must not call the pushed folder corrupt."""
+    from repack.convert import convert
+    from repack.push import plan_push
+    from repack.verify import verify
+    from tests.fixture_paths import FIXTURES_DIR
+
+    src = FIXTURES_DIR / "qwen3moe-g128-sym"
+    out = tmp_path / "out"
+    convert(str(src), out, quiet=True)
+    (out / "README.md").write_text(plan_push(out, "myorg/model").card)
+    report = verify(out, str(src))
+    assert report.files_checked >= 1 and report.stacks_checked >= 1
