@@ -74,6 +74,15 @@ class MoeBlock(nn.Module):
 
         spec = router_spec(ckpt.text_config)
         shared = ckpt.moe_weights(layer, SHARED)
+        if shared is None:
+            float_shared = [
+                n for n in ckpt.tensors if n.startswith((f"{prefix}.shared_expert.", f"{prefix}.shared_experts."))
+            ]
+            if float_shared:  # SPEC section 2: a float shared expert is copied through and gets no stack
+                raise RepackError(
+                    f"{ckpt.path}: layer {layer}'s shared expert is stored in float ({float_shared[0]}), which "
+                    "moe_block does not run; use repack.runtime.load_hf_model, which runs it"
+                )
         return cls(
             ckpt.moe_weights(layer, ROUTED),
             tensor("gate.weight", required=True),

@@ -198,3 +198,17 @@ def test_block_keeps_batch_shape_and_refuses_float32(device, tmp_path):
     assert block(x).shape == (2, 3, 256)
     with pytest.raises(RepackError, match="float32 is not supported"):
         block(x.float())
+
+
+def test_a_float_shared_expert_is_refused_not_dropped(tmp_path):
+    """A shared expert left in float has no stack (SPEC section 2): moe_block must say so, never skip it."""
+    from repack.convert import convert
+    from repack.runtime import load
+    from tests.fixture_paths import FIXTURES_DIR
+
+    out = tmp_path / "out"
+    convert(str(FIXTURES_DIR / "qwen3moe-g128-sym"), out, quiet=True)
+    ckpt = load(out, device="cpu")
+    ckpt.tensors["model.layers.0.mlp.shared_expert.gate_proj.weight"] = torch.zeros(8, 256, dtype=torch.float16)
+    with pytest.raises(RepackError, match="shared expert is stored in float"):
+        ckpt.moe_block(0)
