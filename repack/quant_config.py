@@ -76,7 +76,14 @@ def _make_scheme(values: dict, where: str) -> GptqScheme:
             f"{where}: group_size {group} is not supported; supported: "
             f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (re-quantize with one of them)"
         )
-    fmt = values.get("checkpoint_format") or "gptq"
+    # GPTQModel writes the zero-point convention as `checkpoint_format`; `format` is its older synonym.
+    declared = {key: values[key] for key in ("checkpoint_format", "format") if values.get(key)}
+    if len(set(declared.values())) > 1:
+        raise RepackError(
+            f"{where}: checkpoint_format {declared['checkpoint_format']!r} and format {declared['format']!r} "
+            "disagree; fix one of them (gptq = v1 zero points, gptq_v2 = stored as is)"
+        )
+    fmt = next(iter(declared.values()), "gptq")
     if fmt not in CHECKPOINT_FORMATS:
         raise RepackError(
             f"{where}: checkpoint_format {fmt!r} is not supported; supported: {', '.join(CHECKPOINT_FORMATS)} "

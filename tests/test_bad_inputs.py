@@ -120,7 +120,7 @@ def test_g_idx_out_of_range(src, tmp_path):
 
 
 def test_zeros_contradict_checkpoint_format(src, tmp_path):
-    edit_config(src, set_quant(checkpoint_format="gptq_v2"))
+    edit_config(src, set_quant(checkpoint_format="gptq_v2", format="gptq_v2"))
     convert_fails(src, tmp_path, "qzeros", "gptq_v2")
 
 
@@ -234,3 +234,14 @@ def test_killed_force_run_gets_the_previous_output_back(tmp_path):
     result = run_cli("convert", SYM, out, "--quiet")
     assert_one_line_error(result, "exists and is not empty")  # OUT is back: refused without --force
     assert (out / "repack_manifest.json").exists() and not (tmp_path / ".out.old-999999").exists()
+
+
+def test_format_key_alone_sets_the_zero_point_convention(tmp_path):
+    """A config with only `format: gptq_v2` is v2 (GPTQModel's synonym); format and checkpoint_format disagreeing
+    is refused."""
+    from repack.quant_config import parse_quant_config
+
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+    assert parse_quant_config(dict(base, format="gptq_v2"), "config.json").base.checkpoint_format == "gptq_v2"
+    with pytest.raises(Exception, match="disagree"):
+        parse_quant_config(dict(base, format="gptq_v2", checkpoint_format="gptq"), "config.json")
