@@ -183,6 +183,8 @@ def check_linear(name: str, linear: GptqLinear, scheme: GptqScheme) -> None:
             )
     if linear.g_idx is not None:
         g = linear.g_idx
+        if g.dtype != torch.int32:
+            raise GptqFormatError(f"{name}.g_idx: expected int32, got {_describe(g)}; re-save it as int32")
         if g.dim() != 1 or g.numel() != k:
             raise GptqFormatError(f"{name}.g_idx: expected {k} entries (one per input row), got {_describe(g)}")
         if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):

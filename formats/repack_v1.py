@@ -330,7 +330,15 @@ def plan_flags(
 ) -> tuple[bool, bool, bool]:
     """(act_order_w13, act_order_w2, has_g_idx) of a stack, read from the g_idx tensors themselves."""
     w13 = w2 = False
-    has_g_idx = all(lin.g_idx is not None for triple in experts for lin in triple)
+    present = [lin.g_idx is not None for triple in experts for lin in triple]
+    if any(present) and not all(present):
+        missing = next(name for triple_names, triple in zip(names, experts, strict=True)
+                       for name, lin in zip(triple_names, triple, strict=True) if lin.g_idx is None)  # fmt: skip
+        raise GptqFormatError(
+            f"{missing}.g_idx: missing while other experts of the stack have one; every expert linear must store "
+            "g_idx, or none (re-save the checkpoint)"
+        )
+    has_g_idx = all(present)
     for (gate_name, _, down_name), (gate, _, down) in zip(names, experts, strict=True):
         w13 = w13 or sort_permutation(gate_name, gate, scheme) is not None
         w2 = w2 or sort_permutation(down_name, down, scheme) is not None

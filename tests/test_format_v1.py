@@ -204,3 +204,18 @@ def test_split_by_source_rebuilds_each_expert_alone():
             for name, linear in zip(triple, source, strict=True):
                 assert torch.equal(back[f"{name}.qweight"], linear.qweight)
                 assert torch.equal(back[f"{name}.qzeros"], linear.qzeros)
+
+
+def test_g_idx_on_some_experts_only_or_not_int32_is_refused():
+    """Both would convert and then fail the inverse: refuse them before anything is written."""
+    from repack.formats.gptq import check_linear
+
+    scheme = GptqScheme(4, 64, True, "gptq")
+    info, names, sources = _stack(scheme, act_order=False, experts=2)
+    sources[1][2].g_idx = None
+    with pytest.raises(GptqFormatError, match=r"e1.down_proj.g_idx: missing while other experts"):
+        plan_flags(names, sources, scheme)
+    linear = sources[0][0]
+    linear.g_idx = linear.g_idx.long()
+    with pytest.raises(GptqFormatError, match="g_idx: expected int32"):
+        check_linear("e0.gate_proj", linear, scheme)
