@@ -171,7 +171,7 @@ def _loading_section(repo_id: str, base_model: str | None) -> str:
         "from huggingface_hub import snapshot_download\n"
         "from repack.runtime import load\n\n"
         f'ckpt = load(snapshot_download("{repo_id}"), device="cuda")\n'
-        "block = ckpt.moe_block(0)  # torch.nn.Module: [tokens, hidden] -> [tokens, hidden]\n"
+        "block = ckpt.moe_block(ckpt.moe_layers[0])  # nn.Module: [tokens, hidden] -> [tokens, hidden]\n"
         "```\n\n"
         "or through transformers, once `import repack.runtime` has registered the `repack` quantization "
         "method:\n\n"

@@ -7,6 +7,7 @@ non-zero; no traceback is ever shown for them.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -157,10 +158,16 @@ def tune(
 
 
 def _register_push() -> None:
-    """``push`` keeps its typer signature in repack/push.py (huggingface_hub is imported there)."""
+    """``push`` keeps its typer signature in repack/push.py (huggingface_hub is imported there); it runs inside
+    :func:`one_line_errors` like every command, so an unreadable file is one line too."""
     from repack.push import push_command
 
-    app.command("push")(push_command)
+    @functools.wraps(push_command)
+    def push(*args, **kwargs) -> None:
+        with one_line_errors():
+            push_command(*args, **kwargs)
+
+    app.command("push")(push)
 
 
 _register_push()

@@ -277,7 +277,8 @@ def _stack(
         has_g_idx=has_g_idx,
         source_modules=[list(t) for t in triples],
     )
-    sources = sorted(name for name in consumed if any(name.startswith(m + ".") for t in triples for m in t))
+    modules = {module for triple in triples for module in triple}
+    sources = sorted(name for name in consumed if name.rsplit(".", 1)[0] in modules)
     source_bytes = sum(reader.entry(name).nbytes for name in sources)
     return PackStack(info=info, sources=sources, outputs=info.tensor_shapes(), source_bytes=source_bytes)
 
