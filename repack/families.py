@@ -50,7 +50,8 @@ def _qwen_sparse(config: dict, layer: int) -> bool:
 
 
 def _deepseek_sparse(config: dict, layer: int) -> bool:
-    first_dense = int(config.get("first_k_dense_replace") or 0)
+    default_dense = 3 if config.get("model_type") == "deepseek_v3" else 0  # transformers' config defaults
+    first_dense = int(config.get("first_k_dense_replace", default_dense) or 0)
     freq = int(config.get("moe_layer_freq") or 1)
     return layer >= first_dense and layer % freq == 0
 

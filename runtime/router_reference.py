@@ -64,10 +64,11 @@ def router_spec(config: dict) -> RouterSpec:
             DEEPSEEK_V3,
             top_k,
             bool(config.get("norm_topk_prob", True)),
-            scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            # A key the config leaves out takes transformers' DeepseekV3Config default.
+            scaling_factor=float(config.get("routed_scaling_factor", 2.5)),
             topk_method="noaux_tc",
-            n_group=int(config.get("n_group") or 1),
-            topk_group=int(config.get("topk_group") or 1),
+            n_group=int(config.get("n_group", 8) or 1),
+            topk_group=int(config.get("topk_group", 4) or 1),
             fp32_logits=True,
         )
     raise RepackError(
