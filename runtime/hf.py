@@ -167,6 +167,18 @@ def _get_tensor(model: nn.Module):
     return lookup
 
 
+def gptq_target(model: nn.Module, module: str, where: str) -> tuple[str, nn.Linear]:
+    """(module path in ``model``, the nn.Linear it holds) for the GPTQ linear stored as ``module``."""
+    path = model_path(model, module)
+    target = model.get_submodule(path) if path is not None else None
+    if not isinstance(target, nn.Linear):
+        raise RepackError(
+            f"{where}: GPTQ linear {module} has no nn.Linear in {type(model).__name__}; check config.json or the "
+            "transformers version (pip install 'moe-repack[hf]')"
+        )
+    return path, target
+
+
 def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
@@ -222,13 +234,7 @@ def install_gptq_linears(model: nn.Module, ckpt: RepackCheckpoint, consumed: set
             linear = GptqW4A16Linear(GptqLinear(**{k: v for k, v in tensors.items()}), scheme, name=module)
         except GptqFormatError as error:
             raise RepackError(f"{ckpt.path}: {error}") from None
-        path = model_path(model, module)
-        target = model.get_submodule(path) if path is not None else None
-        if not isinstance(target, nn.Linear):
-            raise RepackError(
-                f"{ckpt.path}: GPTQ linear {module} has no nn.Linear in {type(model).__name__}; "
-                "check the transformers version (pip install 'moe-repack[hf]')"
-            )
+        path, target = gptq_target(model, module, str(ckpt.path))
         if (target.in_features, target.out_features) != (linear.in_features, linear.out_features):
             raise RepackError(
                 f"{ckpt.path}: GPTQ linear {module} is {linear.in_features}->{linear.out_features} but the "

@@ -274,7 +274,7 @@ def install_moe_blocks(model: nn.Module, config: RepackQuantConfig, headers: dic
 def install_gptq_placeholders(model: nn.Module, config: RepackQuantConfig, headers: dict[str, TensorEntry], folder):
     """Swap each copied-through GPTQ linear's ``nn.Linear`` for a :class:`GptqPlaceholder`."""
     from repack.quant_config import parse_quant_config
-    from repack.runtime.hf import GPTQ_SUFFIXES, model_path, set_module
+    from repack.runtime.hf import GPTQ_SUFFIXES, gptq_target, set_module
 
     source = getattr(config, "source_quantization_config", None)
     quant = parse_quant_config(source, f"{folder}/config.json source_quantization_config")
@@ -282,13 +282,7 @@ def install_gptq_placeholders(model: nn.Module, config: RepackQuantConfig, heade
         if not name.endswith(".qweight"):
             continue
         module = name.removesuffix(".qweight")
-        path = model_path(model, module)
-        target = model.get_submodule(path) if path is not None else None
-        if not isinstance(target, nn.Linear):
-            raise RepackError(
-                f"{folder}: GPTQ linear {module} has no nn.Linear in {type(model).__name__}; check config.json or "
-                "the transformers version (pip install 'moe-repack[hf]')"
-            )
+        path, target = gptq_target(model, module, str(folder))
         scheme = quant.scheme_for(module) or quant.base
         placeholder = GptqPlaceholder(module, scheme, target.in_features, target.out_features)
         for suffix in GPTQ_SUFFIXES:
