@@ -41,3 +41,17 @@ def test_bad_token_stops_before_any_conversion(tmp_path: Path, monkeypatch: pyte
     assert result.exit_code != 0
     assert not out.exists()
     assert hub.method_names() == ["whoami"]
+
+
+def test_tune_without_a_gpu_is_one_line(tmp_path: Path):
+    """`repack tune` needs the GPU it tunes for; here it must say so in one line, not a traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tune would run for minutes")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["convert", str(SOURCE), str(out), "--quiet"]).exit_code == 0
+    result = CliRunner().invoke(app, ["tune", str(out), "--out", str(tmp_path / "cfg")])
+    assert result.exit_code != 0
+    assert "no CUDA GPU visible" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "cfg").exists()
