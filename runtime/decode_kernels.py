@@ -102,8 +102,8 @@ def _word_mask(n_mask, offs_w, first_word, k_words, EVEN_K: tl.constexpr):
 @triton.jit
 def _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS: tl.constexpr,
                   SYM_ZERO: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """(scale fp32, zero int32) rows of one group."""
-    scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0).to(tl.float32)
+    """(scale as stored, zero int32) rows of one group; shared with the tensor-core kernels of fused_moe.py."""
+    scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
     if HAS_ZEROS:
         zero = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
     else:

@@ -27,7 +27,13 @@ import triton.language as tl
 
 from repack.errors import RepackError
 from repack.runtime.align import align_pairs
-from repack.runtime.decode_kernels import _w2_decode_kernel, _w13_decode_kernel, decode_grid
+from repack.runtime.decode_kernels import (
+    _quant_params,
+    _w2_decode_kernel,
+    _w13_decode_kernel,
+    _word_mask,
+    decode_grid,
+)
 from repack.runtime.kernel_config import fit_config, get_config
 from repack.runtime.weights import MoeWeights
 
@@ -144,21 +150,14 @@ def _w13_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, WORDS_K))
-        else:
-            w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
+        w_mask = _word_mask(n_mask, offs_w, k0 // VALS, K // VALS, EVEN_K)
         gate_words = tl.load(gate_ptrs, mask=w_mask, other=0)
         up_words = tl.load(up_ptrs, mask=w_mask, other=0)
         group = k0 // group_len
-        scale_gate = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
-        scale_up = tl.load(scale_ptrs + group * stride_s_g + N, mask=n_mask, other=0.0)
-        if HAS_ZEROS:
-            zero_gate = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
-            zero_up = tl.load(zero_ptrs + group * stride_s_g + N, mask=n_mask, other=0).to(tl.int32)
-        else:
-            zero_gate = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
-            zero_up = zero_gate
+        scale_gate, zero_gate = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+                                              BLOCK_N)  # fmt: skip
+        scale_up, zero_up = _quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS,
+                                          SYM_ZERO, BLOCK_N)  # fmt: skip
         if NIBBLE_DOTS:
             j_mask = (k0 + offs_w * VALS) < K
             a_mask = row_mask[:, None] & j_mask[None, :]
@@ -229,17 +228,9 @@ def _w2_kernel(
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, WORDS_K))
-        else:
-            w_mask = n_mask[:, None] & ((k0 // VALS + offs_w) < K // VALS)[None, :]
-        words = tl.load(w_ptrs, mask=w_mask, other=0)
-        group = k0 // group_len
-        scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
-        if HAS_ZEROS:
-            zero = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
-        else:
-            zero = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
+        words = tl.load(w_ptrs, mask=_word_mask(n_mask, offs_w, k0 // VALS, K // VALS, EVEN_K), other=0)
+        scale, zero = _quant_params(scale_ptrs, zero_ptrs, k0 // group_len, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+                                    BLOCK_N)  # fmt: skip
         if NIBBLE_DOTS:
             j_mask = (k0 + offs_w * VALS) < K
             a_mask = row_mask[:, None] & j_mask[None, :]
