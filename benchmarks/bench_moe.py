@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from repack.runtime.tune import random_stack, time_graph
+
 L2_BYTES = 60 * 2**20
 M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 M_QUICK = (1, 4, 16, 64, 256, 1024, 4096)
@@ -77,20 +79,6 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / statistics.median(times)
 
 
-def random_stack(experts: int, hidden: int, inter: int, copies: int):
-    """``copies`` MoeWeights views into one random int4 g128 sym stack (random words, scales ~0.01)."""
-    from repack.runtime.weights import MoeWeights
-
-    total = experts * copies
-    info32 = torch.iinfo(torch.int32)
-    w13 = torch.randint(info32.min, info32.max, (total, 2 * inter, hidden // 8), dtype=torch.int32, device="cuda")
-    w2 = torch.randint(info32.min, info32.max, (total, hidden, inter // 8), dtype=torch.int32, device="cuda")
-    s13 = (torch.rand(total, hidden // 128, 2 * inter, device="cuda") * 0.01 + 0.005).half()
-    s2 = (torch.rand(total, inter // 128, hidden, device="cuda") * 0.01 + 0.005).half()
-    sl = lambda c: slice(c * experts, (c + 1) * experts)  # noqa: E731
-    return [MoeWeights(w13[sl(c)], s13[sl(c)], w2[sl(c)], s2[sl(c)], bits=4, group_size=128) for c in range(copies)]
-
-
 def dequantize_experts(weights, experts: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Our layout -> (w13 [n, 2I, H], w2 [n, H, I]) in ``dtype`` for the listed experts (sym, no act-order)."""
 
@@ -103,28 +91,6 @@ def dequantize_experts(weights, experts: list[int], dtype) -> tuple[torch.Tensor
 
     idx = torch.tensor(experts, device=weights.w13_qweight.device)
     return one(weights.w13_qweight[idx], weights.w13_scales[idx]), one(weights.w2_qweight[idx], weights.w2_scales[idx])
-
-
-def time_graph(fn, replays: int) -> float:
-    """Median microseconds of one replay of ``fn`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
 
 
 def rotation(bytes_per_call: float, limit: int = 16) -> int:

@@ -60,38 +60,47 @@ def candidate_configs(num_tokens: int, top_k: int, num_experts: int) -> list[dic
     return [dict(c, REDUCE=r) for c in configs for r in reduces]
 
 
-def _random_weights(e: int, h: int, i: int, group: int, copies: int) -> list[MoeWeights]:
-    info = torch.iinfo(torch.int32)
-    w13 = torch.randint(info.min, info.max, (copies * e, 2 * i, h // 8), dtype=torch.int32, device="cuda")
-    w2 = torch.randint(info.min, info.max, (copies * e, h, i // 8), dtype=torch.int32, device="cuda")
-    s13 = (torch.rand(copies * e, h // group, 2 * i, device="cuda") * 0.01 + 0.005).half()
-    s2 = (torch.rand(copies * e, i // group, h, device="cuda") * 0.01 + 0.005).half()
-    sl = lambda c: slice(c * e, (c + 1) * e)  # noqa: E731
+def random_stack(experts: int, hidden: int, inter: int, copies: int, group: int = 128) -> list[MoeWeights]:
+    """``copies`` MoeWeights views into one random int4 sym stack (random words, scales ~0.01), on the GPU.
+
+    Timing cycles through the copies so that L2 never holds the weights; benchmarks/bench_moe.py uses it too.
+    """
+    total = experts * copies
+    info32 = torch.iinfo(torch.int32)
+    w13 = torch.randint(info32.min, info32.max, (total, 2 * inter, hidden // 8), dtype=torch.int32, device="cuda")
+    w2 = torch.randint(info32.min, info32.max, (total, hidden, inter // 8), dtype=torch.int32, device="cuda")
+    s13 = (torch.rand(total, hidden // group, 2 * inter, device="cuda") * 0.01 + 0.005).half()
+    s2 = (torch.rand(total, inter // group, hidden, device="cuda") * 0.01 + 0.005).half()
+    sl = lambda c: slice(c * experts, (c + 1) * experts)  # noqa: E731
     return [MoeWeights(w13[sl(c)], s13[sl(c)], w2[sl(c)], s2[sl(c)], bits=4, group_size=group) for c in range(copies)]
 
 
-def _time(fn, replays: int = 30) -> float:
-    """Median microseconds of a CUDA-graph replay of ``fn``."""
-    fn()
-    torch.cuda.synchronize()
+def time_graph(fn, replays: int) -> float:
+    """Median microseconds of one replay of ``fn`` captured in a CUDA graph (warmed up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
         start.record()
         graph.replay()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
 
 
 def tune_shape(e: int, h: int, i: int, top_k: int, dtype: torch.dtype, token_counts: Iterable[int]) -> dict[int, dict]:
     """Best config per M for one shape on the current GPU."""
     copies = max(2, -(-240 * 2**20 // int(top_k * 1.5 * h * i)))
-    weights = _random_weights(e, h, i, 128, min(copies, 16))
+    weights = random_stack(e, h, i, min(copies, 16))
     best: dict[int, dict] = {}
     for m in token_counts:
         x = torch.randn(m, h, device="cuda").to(dtype)
@@ -104,7 +113,7 @@ def tune_shape(e: int, h: int, i: int, top_k: int, dtype: torch.dtype, token_cou
             if not torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2):
                 continue
             run = lambda cfg=cfg, x=x, ids=ids, w=w: [fused_moe(x, wt, ids, w, config=cfg) for wt in weights]  # noqa: E731
-            timings.append((_time(run) / len(weights), cfg))
+            timings.append((time_graph(run, 30) / len(weights), cfg))
         best[m] = min(timings, key=lambda t: t[0])[1]
         print(f"E={e} H={h} I={i} top_k={top_k} M={m}: {min(t for t, _ in timings):.1f} us {best[m]}", flush=True)
     return best
