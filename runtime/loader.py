@@ -10,7 +10,6 @@ at the speed of reading the files.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -21,14 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from repack.errors import RepackError
-from repack.formats.checkpoint import read_repack_config, read_safetensors_header
-from repack.formats.repack_v1 import INDEX_FILE, ROUTED, SHARED, StackInfo
+from repack.formats.checkpoint import CheckpointReader, read_repack_config, read_safetensors_header
+from repack.formats.repack_v1 import ROUTED, SHARED, StackInfo
 from repack.runtime.weights import MoeWeights
 
 if TYPE_CHECKING:
     from repack.runtime.moe_block import MoeBlock
 
-SINGLE_FILE = "model.safetensors"
 STAGING_CHUNK_BYTES = 256 << 20  # per pinned staging buffer; two of them alternate
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
@@ -59,32 +57,14 @@ class ShardLayout:
     entries: tuple[TensorEntry, ...]
 
 
-def shard_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint folder: the index's shards, or the single model.safetensors."""
-    index_file = path / INDEX_FILE
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
-            raise RepackError(f"{index_file}: unreadable index ({error}); re-run `repack convert`") from None
-        files = [path / name for name in dict.fromkeys(weight_map.values())]
-    elif (path / SINGLE_FILE).is_file():
-        files = [path / SINGLE_FILE]
-    else:
-        raise RepackError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found; re-run `repack convert`")
-    for file in files:
-        if not file.is_file():
-            raise RepackError(f"{file}: shard named by {INDEX_FILE} is missing; re-download or re-convert")
-    return files
-
-
-def read_shard_layout(file: Path) -> ShardLayout:
+def read_shard_layout(file: Path, header: dict | None = None) -> ShardLayout:
     """Where a shard's data region starts and where each tensor lies in it.
 
     The header is parsed and checked (dtypes, sizes, ranges inside the file) by the format's own reader,
-    ``formats.checkpoint.read_safetensors_header``; this adds the data region's bounds for the byte copy.
+    ``formats.checkpoint.read_safetensors_header`` (pass its result as ``header`` if already parsed); this adds
+    the data region's bounds for the byte copy.
     """
-    header = read_safetensors_header(file)
+    header = read_safetensors_header(file) if header is None else header
     with open(file, "rb") as handle:
         (header_len,) = struct.unpack("<Q", handle.read(8))
     data_start = 8 + header_len
@@ -156,9 +136,16 @@ def tensor_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return raw.view(entry.dtype).view(entry.shape)
 
 
-def load_tensors(files: list[Path], device: torch.device, chunk_bytes: int) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard, on ``device``, as views of one byte buffer per shard."""
-    layouts = [read_shard_layout(file) for file in files]
+def load_tensors(folder: Path, device: torch.device, chunk_bytes: int) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard, on ``device``, as views of one byte buffer per shard.
+
+    The shards and their headers come from the format's reader (index, missing or truncated shards checked).
+    """
+    reader = CheckpointReader(folder)
+    layouts = [
+        read_shard_layout(folder / file, {n: e for n, e in reader.entries.items() if e.file == file})
+        for file in reader.files
+    ]
     staging = None
     if device.type != "cpu":
         largest = max((layout.data_bytes for layout in layouts), default=0)
@@ -263,7 +250,7 @@ def load(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RepackError(f"load: device {device} requested but no CUDA GPU is available; pass device='cpu'")
     config, stacks = read_repack_config(folder)
-    tensors = load_tensors(shard_files(folder), device, chunk_bytes)
+    tensors = load_tensors(folder, device, chunk_bytes)
     return RepackCheckpoint(folder, config, stacks, tensors, device, dtype)
 
 
