@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from repack.formats.repack_v1 import from_word_order
 from repack.runtime.tune import random_stack, time_graph
 
 L2_BYTES = 60 * 2**20
@@ -83,6 +84,7 @@ def dequantize_experts(weights, experts: list[int], dtype) -> tuple[torch.Tensor
     """Our layout -> (w13 [n, 2I, H], w2 [n, H, I]) in ``dtype`` for the listed experts (sym, no act-order)."""
 
     def one(qweight, scales):
+        qweight = from_word_order(qweight, weights.word_order)  # plain GPTQ order: field s of word r is 8r + s
         shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
         q = (qweight[..., None] >> shifts) & 0xF  # [n, N, K/8, 8]
         q = q.reshape(*qweight.shape[:-1], -1).to(torch.float32) - 8

@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_moe import CASES, check_case, log, random_stack, rotation, time_graph
-from repack.runtime.tune import DECODE_CONFIGS, TENSOR_CORE_CONFIGS, candidate_configs
+from repack.runtime.kernel_config import device_name, load_configs
+from repack.runtime.tune import DECODE_CONFIGS, TENSOR_CORE_CONFIGS, WEIGHT_MAJOR_CONFIGS, candidate_configs
 
 # One search space for the sweep and for `repack tune` (runtime/tune.py).
 DECODE = DECODE_CONFIGS
 MMA = TENSOR_CORE_CONFIGS
+WEIGHT_MAJOR = WEIGHT_MAJOR_CONFIGS
 SWEEP_M = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 
 
@@ -29,6 +31,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--ms", default=",".join(map(str, SWEEP_M)), help="token counts to sweep")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument(
+        "--only-weight-major",
+        action="store_true",
+        help="time only the weight-major configs, plus the shipped config of each M as the baseline",
+    )
     args = parser.parse_args()
     from repack.runtime.fused_moe import fused_moe
 
@@ -38,7 +45,7 @@ def main() -> None:
         stacks = random_stack(case.experts, case.hidden, case.inter, rotation(expert_bytes * case.top_k))
         for dtype in (torch.float16, torch.bfloat16):
             log(f"check {case.name} {dtype}: {check_case(case, dtype, stacks[0]):.2e} (heuristic)")
-            for cfg in (MMA[5], DECODE[2], DECODE[3], dict(MMA[5], SCALE_ACC=False)):
+            for cfg in (MMA[5], DECODE[2], DECODE[3], dict(MMA[5], SCALE_ACC=False), WEIGHT_MAJOR[6]):
                 log(f"check {case.name} {dtype} {cfg}: {check_case(case, dtype, stacks[0], dict(cfg)):.2e}")
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, case.hidden, device="cuda", dtype=torch.float16)
@@ -46,7 +53,12 @@ def main() -> None:
             w = torch.rand(m, case.top_k, device="cuda")
             out = torch.empty_like(x)
             timings = []
-            for c in candidate_configs(m, case.top_k, case.experts):
+            candidates = candidate_configs(m, case.top_k, case.experts)
+            if args.only_weight_major:
+                shipped = load_configs(case.experts, case.inter, device_name("cuda")) or {}
+                nearest = [shipped[min(shipped, key=lambda k: abs(k - m))]] if shipped else []
+                candidates = nearest + [c for c in candidates if c.get("WEIGHT_MAJOR")]
+            for c in candidates:
 
                 def run(c=c, x=x, ids=ids, w=w, out=out, stacks=stacks):
                     for s in stacks:

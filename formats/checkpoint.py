@@ -33,7 +33,7 @@ import torch
 
 from repack.errors import RepackError
 
-from .repack_v1 import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, QUANT_METHOD, StackInfo
+from .repack_v1 import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo
 
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -711,13 +711,13 @@ def read_repack_config(folder: str | Path) -> tuple[dict, list[StackInfo]]:
             "convert it first with `repack convert`"
         )
     version = quant.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in SUPPORTED_FORMAT_VERSIONS:
         raise RepackError(
             f"{path}: {FORMAT_NAME} format_version {version!r} is not supported by this reader (knows "
-            f"{FORMAT_VERSION}); upgrade moe-repack or re-convert the source"
+            f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade moe-repack or re-convert the source"
         )
     try:
         stacks = [StackInfo.from_json(stack) for stack in quant.get("stacks", [])]
-    except TypeError as error:
+    except (TypeError, ValueError) as error:  # unknown or missing keys, impossible values (StackInfoError)
         raise RepackError(f"{path}: malformed stack entry in quantization_config.stacks ({error})") from None
     return config, stacks

@@ -1,4 +1,5 @@
-"""The repack-moe v1 format: expert stacks laid out for the fused W4A16 MoE kernel.
+"""The repack-moe format (version 2; the module keeps its v1 name): expert stacks laid out for the fused W4A16
+MoE kernel.
 
 SPEC.md beside this file is the normative description; this module is its executable form: the
 constants, the stack metadata, and the two functions that move one layer's experts between the GPTQ
@@ -7,7 +8,8 @@ layout and ours, :func:`pack_stack` and its exact inverse :func:`unpack_stack`.
 Layout of one stack of E experts with hidden size H, intermediate size I, ``pack = 32 / bits``:
 
 - ``w13_qweight`` int32 ``[E, 2I, H/pack]``: row ``n < I`` is gate output ``P2[n]``, row ``I + n`` is up output
-  ``P2[n]``; field s of word r is sorted input ``k = r*pack + s``, i.e. original input ``P1[k]``.
+  ``P2[n]``; in the "gptq" word order field s of word r is sorted input ``k = r*pack + s``, i.e. original
+  input ``P1[k]`` (the "mma128" order permutes the nibbles inside each 16-word block, see :data:`WORD_ORDERS`).
 - ``w13_scales`` float16 ``[E, G1, 2I]``, ``w13_zeros`` uint8 ``[E, G1, 2I]`` (asymmetric only).
 - ``w13_perm`` int32 ``[E, H]`` = P1 (act-order only): the kernel gathers activations through it.
 - ``w2_qweight`` int32 ``[E, H, I/pack]`` with rows of the input sorted by P2, ``w2_scales`` float16
@@ -15,10 +17,12 @@ Layout of one stack of E experts with hidden size H, intermediate size I, ``pack
 - ``w2_perm`` int32 ``[E, I]`` = P2 (act-order only): already folded into w13's rows, kept for the inverse.
 
 P1/P2 are the stable sorts of ``g_idx`` so that after sorting input row k belongs to group ``k // group``.
+Both qweights of a stack share its ``word_order``; version 1 checkpoints are all "gptq".
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
@@ -36,7 +40,8 @@ from .gptq import (
 )
 
 FORMAT_NAME = "repack-moe"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the converter writes
+SUPPORTED_FORMAT_VERSIONS = (1, 2)  # what readers accept: v1 is v2 with every stack in the "gptq" word order
 QUANT_METHOD = "repack"
 MANIFEST_FILE = "repack_manifest.json"
 CARD_FILE = "README.md"  # the model card: written and owned by `repack push`, not a conversion output
@@ -45,6 +50,20 @@ INDEX_FILE = "model.safetensors.index.json"
 STACK_TENSORS = ("w13_qweight", "w13_scales", "w13_zeros", "w13_perm", "w2_qweight", "w2_scales", "w2_zeros", "w2_perm")
 ROUTED = "routed"
 SHARED = "shared"
+
+# Nibble orders of the qweight words along a row. "gptq": field s of word r is input 8r + s. "mma128" (4-bit):
+# inside each block of 16 words (128 inputs) field s of word w holds input
+# 16 * (4 * (w // 8) + s % 4) + 2 * (w % 8) + s // 4, so one shift and mask of a word gives the fp16x2 pair
+# (k, k + 1) one thread of Hopper's wgmma A fragment needs (formats/SPEC.md section 3).
+GPTQ_ORDER = "gptq"
+MMA128_ORDER = "mma128"
+WORD_ORDERS = (GPTQ_ORDER, MMA128_ORDER)
+MMA128_BLOCK = 128  # inputs per permuted block: 16 words of 8 nibbles
+
+
+class StackInfoError(ValueError, TypeError):
+    """A stack entry with an impossible value. Also a TypeError so that every reader that turns a malformed
+    ``stacks`` entry (unknown or missing keys raise TypeError) into its one-line error catches it too."""
 
 
 @dataclass
@@ -66,6 +85,17 @@ class StackInfo:
     # Source module names, one triple (gate, up, down) per source expert; a shared expert split into
     # `num_experts` chunks has a single triple.
     source_modules: list[list[str]] = field(default_factory=list)
+    word_order: str = GPTQ_ORDER  # nibble order of both qweights (WORD_ORDERS); absent in v1, which is all "gptq"
+
+    def __post_init__(self) -> None:
+        """Refuse a word order this stack cannot have, so a bad config.json fails when read, not in a kernel."""
+        if self.word_order not in WORD_ORDERS:
+            raise StackInfoError(f"stack {self.prefix}: word_order {self.word_order!r} is not one of {WORD_ORDERS}")
+        if self.word_order == MMA128_ORDER and not _fits_mma128(self.bits, self.hidden_size, self.intermediate_size):
+            raise StackInfoError(
+                f"stack {self.prefix}: word_order 'mma128' needs 4 bits and H, I multiples of {MMA128_BLOCK} "
+                f"(has {self.bits} bits, H={self.hidden_size}, I={self.intermediate_size})"
+            )
 
     @property
     def scheme(self) -> GptqScheme:
@@ -107,6 +137,96 @@ class StackInfo:
     @classmethod
     def from_json(cls, data: dict) -> StackInfo:
         return cls(**data)
+
+
+def _fits_mma128(bits: int, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether "mma128" is defined for a stack: 4-bit words and both inputs (H of w13, I of w2) whole blocks."""
+    return bits == 4 and hidden_size % MMA128_BLOCK == 0 and intermediate_size % MMA128_BLOCK == 0
+
+
+def choose_word_order(bits: int, hidden_size: int, intermediate_size: int, group_size: int) -> str:
+    """The word order the converter writes for a stack: "mma128" wherever it is defined and every 128-input
+    block lies inside one quantization group (one scale per row per block for the kernel), else "gptq"."""
+    whole_groups = group_size == -1 or group_size % MMA128_BLOCK == 0
+    return MMA128_ORDER if _fits_mma128(bits, hidden_size, intermediate_size) and whole_groups else GPTQ_ORDER
+
+
+def _mma128_index() -> torch.Tensor:
+    """int64 [128]: entry ``8w + s`` is the block-local input that field s of word w holds in "mma128"."""
+    w = torch.arange(16).view(16, 1)
+    s = torch.arange(8).view(1, 8)
+    return (16 * (4 * (w // 8) + s % 4) + 2 * (w % 8) + s // 4).reshape(-1)
+
+
+# The definition of "mma128" as data (formats/SPEC.md section 3); the converters below compute the same
+# permutation with whole-byte moves and shifts instead of a per-nibble gather.
+MMA128_INDEX = _mma128_index()
+
+
+def to_word_order(words: torch.Tensor, order: str) -> torch.Tensor:
+    """Packed "gptq"-order words ``[..., K/8]`` (int32, K % 128 == 0 for "mma128") -> the same words in ``order``.
+
+    The identity (the same tensor) for "gptq"; a new tensor otherwise."""
+    return words if _check_order(words, order) == GPTQ_ORDER else _gptq_to_mma128(words)
+
+
+def from_word_order(words: torch.Tensor, order: str) -> torch.Tensor:
+    """Exact inverse of :func:`to_word_order`: words in ``order`` -> "gptq"-order words."""
+    return words if _check_order(words, order) == GPTQ_ORDER else _mma128_to_gptq(words)
+
+
+def _check_order(words: torch.Tensor, order: str) -> str:
+    if order not in WORD_ORDERS:
+        raise ValueError(f"word order {order!r} is not one of {WORD_ORDERS}")
+    if order != GPTQ_ORDER and (words.dtype != torch.int32 or words.dim() == 0 or words.shape[-1] % 16):
+        raise ValueError(f"word order {order!r} needs int32 words [..., 16 n], got {words.dtype} {list(words.shape)}")
+    return order
+
+
+# Why two steps suffice. Number a block's gptq words 8g + 2i + a and their fields 2b + h (g, a, h < 2; i, b < 4):
+# the field holds input 16 (4g + i) + 2 (4a + b) + h. In "mma128" that input sits in word 8g + 4a + b, field
+# 4h + i. So byte b of gptq word (g, i, a) (fields 2b, 2b + 1: h = 0, 1) becomes byte i of mma128 word (g, a, b)
+# -- a byte transpose -- and inside each word the nibble at 2i + h then moves to 4h + i: two swaps of nibble
+# groups. Bytes are a free little-endian view and the swaps are bit moves, so every bit pattern is exact. This
+# runs at about the speed of a copy, several times faster than gathering single nibbles through MMA128_INDEX.
+_GPTQ_BYTES = (2, 4, 2, 4)  # a block's 64 bytes as (g, i, a, b)
+_MMA128_BYTES = (2, 2, 4, 4)  # and as (g, a, b, i)
+_NIBBLE_SWAPS = ((0x00F000F0, 4), (0x0000FF00, 8))  # (mask, shift): nibble 2i + h -> 4h + i, in this order
+
+
+def _gptq_to_mma128(words: torch.Tensor) -> torch.Tensor:
+    _check_little_endian()
+    blocks = words.contiguous().view(torch.uint8).view(-1, *_GPTQ_BYTES)
+    moved = blocks.permute(0, 1, 3, 4, 2).contiguous().view(torch.int32).view(words.shape)
+    for mask, shift in _NIBBLE_SWAPS:
+        _swap_nibbles_(moved, mask, shift)
+    return moved
+
+
+def _mma128_to_gptq(words: torch.Tensor) -> torch.Tensor:
+    _check_little_endian()
+    unswapped = words.clone(memory_format=torch.contiguous_format)
+    for mask, shift in reversed(_NIBBLE_SWAPS):  # each swap is its own inverse
+        _swap_nibbles_(unswapped, mask, shift)
+    blocks = unswapped.view(torch.uint8).view(-1, *_MMA128_BYTES)
+    return blocks.permute(0, 1, 4, 2, 3).contiguous().view(torch.int32).view(words.shape)
+
+
+def _swap_nibbles_(words: torch.Tensor, mask: int, shift: int) -> None:
+    """In place, exchange the bits under ``mask`` with those ``shift`` bits above them (a delta swap).
+
+    ``mask << shift`` stays below bit 31, so the arithmetic ``>>`` of negative words never brings a sign bit in."""
+    t = words >> shift
+    t ^= words
+    t &= mask
+    words ^= t
+    t <<= shift
+    words ^= t
+
+
+def _check_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError("word orders are converted through a little-endian byte view; this host is big-endian")
 
 
 def sort_permutation(name: str, linear: GptqLinear, scheme: GptqScheme) -> torch.Tensor | None:
@@ -161,7 +281,8 @@ def iter_pack_stack(
     ``experts`` only needs real ``qzeros``, ``scales`` and ``g_idx`` (small); each ``qweight`` may be a
     shape-only (meta) tensor, and ``load_qweight(module)`` is called for the real one when it is needed.
     Every permutation is validated before the first part is yielded. Without act-order the packed words
-    are a transpose of the GPTQ words (no nibble unpacking); P2 alone only reorders whole w13 rows.
+    are a transpose of the GPTQ words (no nibble unpacking); P2 alone only reorders whole w13 rows. Each
+    qweight part is then put in ``info.word_order`` (a nibble shuffle inside 16-word blocks for "mma128").
     """
     scheme = info.scheme
     perms = [
@@ -177,7 +298,7 @@ def iter_pack_stack(
         gate = _sorted_rows(load_qweight(gate_name), p1, scheme)
         up = _sorted_rows(load_qweight(up_name), p1, scheme)
         for chunk in range(chunks):
-            yield name("w13_qweight"), _w13_qweight(gate, up, p2, chunk, i)
+            yield name("w13_qweight"), to_word_order(_w13_qweight(gate, up, p2, chunk, i), info.word_order)
     for _, (gate, up, _), (_, p2) in sources:
         yield name("w13_scales"), _w13_columns(gate.scales, up.scales, p2, chunks, i)
     if "w13_zeros" in wanted:
@@ -192,7 +313,8 @@ def iter_pack_stack(
         down = _sorted_rows(load_qweight(down_name), p2, scheme)
         words = down.shape[0] // chunks
         for chunk in range(chunks):  # [1, H, I/pack]: the words of one chunk, transposed
-            yield name("w2_qweight"), down[chunk * words : (chunk + 1) * words].t().contiguous().unsqueeze(0)
+            part = down[chunk * words : (chunk + 1) * words].t().contiguous().unsqueeze(0)
+            yield name("w2_qweight"), to_word_order(part, info.word_order)
     for _, (_, _, down), _ in sources:
         yield name("w2_scales"), down.scales.reshape(chunks, -1, down.scales.shape[1])
     if "w2_zeros" in wanted:
@@ -257,9 +379,12 @@ def _w13_columns(gate: torch.Tensor, up: torch.Tensor, p2: torch.Tensor | None, 
 
 
 def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Exact inverse of :func:`pack_stack`: the stack's tensors -> the GPTQ source tensors, keyed by name."""
+    """Exact inverse of :func:`pack_stack`: the stack's tensors -> the GPTQ source tensors, keyed by name.
+
+    The qweights are first put back in the "gptq" word order, one expert at a time."""
     scheme = info.scheme
     get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
+    words = lambda n, x: from_word_order(get(n)[x], info.word_order)  # noqa: E731  # expert x, "gptq" order
     h, i = info.hidden_size, info.intermediate_size
     chunks = info.chunks_per_source
     out: dict[str, torch.Tensor] = {}
@@ -268,9 +393,9 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         # Without act-order on the input (P1 = identity) the GPTQ words are w13's words transposed, and
         # without it on w2's input the same holds for down: only whole words move, nothing is unpacked.
         if info.act_order_w13:
-            q13 = torch.cat([unpack_along_rows(get("w13_qweight")[x].t(), scheme.bits) for x in experts], dim=1)
+            q13 = torch.cat([unpack_along_rows(words("w13_qweight", x).t(), scheme.bits) for x in experts], dim=1)
         else:
-            q13 = torch.cat([get("w13_qweight")[x].t() for x in experts], dim=1)
+            q13 = torch.cat([words("w13_qweight", x).t() for x in experts], dim=1)
         # q13 columns: chunk c holds [gate_c | up_c]; regroup into gate and up, each [rows, I_total] sorted.
         rows = q13.shape[0]
         q13 = q13.view(rows, chunks, 2, i)
@@ -278,9 +403,9 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         s13 = torch.cat([get("w13_scales")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
         s_gate, s_up = s13[:, :, 0].reshape(s13.shape[0], -1), s13[:, :, 1].reshape(s13.shape[0], -1)
         if info.act_order_w2:
-            q_down = torch.cat([unpack_along_rows(get("w2_qweight")[x].t(), scheme.bits) for x in experts], dim=0)
+            q_down = torch.cat([unpack_along_rows(words("w2_qweight", x).t(), scheme.bits) for x in experts], dim=0)
         else:
-            q_down = torch.cat([get("w2_qweight")[x].t() for x in experts], dim=0)
+            q_down = torch.cat([words("w2_qweight", x).t() for x in experts], dim=0)
         s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
         if info.sym:
             z13 = torch.full((s13.shape[0], 2 * chunks * i), scheme.sym_zero, dtype=torch.uint8)
@@ -353,12 +478,13 @@ def dequantize_stack(info: StackInfo, tensors: dict[str, torch.Tensor], dtype=to
     """
     scheme = info.scheme
     get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
+    words = lambda n, x: from_word_order(get(n)[x], info.word_order)  # noqa: E731  # expert x, "gptq" order
     e, h, i = info.num_experts, info.hidden_size, info.intermediate_size
     glen1, glen2 = scheme.group_len(h), scheme.group_len(i)
     w13s, w2s = [], []
     for x in range(e):
-        q13 = unpack_along_rows(get("w13_qweight")[x].t(), scheme.bits).to(torch.int32)  # [H, 2I] sorted rows
-        q2 = unpack_along_rows(get("w2_qweight")[x].t(), scheme.bits).to(torch.int32)  # [I, H]
+        q13 = unpack_along_rows(words("w13_qweight", x).t(), scheme.bits).to(torch.int32)  # [H, 2I] sorted rows
+        q2 = unpack_along_rows(words("w2_qweight", x).t(), scheme.bits).to(torch.int32)  # [I, H]
         g1 = torch.arange(h) // glen1
         g2 = torch.arange(i) // glen2
         z13 = (

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from rich.console import Group
 from rich.table import Table
 
 from repack.formats.checkpoint import read_repack_config
-from repack.formats.repack_v1 import MANIFEST_FILE
+from repack.formats.repack_v1 import MANIFEST_FILE, StackInfo
 
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
+def _word_orders(stacks: list[StackInfo]) -> str:
+    """How many stacks use each qweight word order (a kernel needs to know; a v1 checkpoint is all "gptq")."""
+    counts = Counter(s.word_order for s in stacks)
+    return ", ".join(f"{order} ({n} stack{'s' * (n != 1)})" for order, n in sorted(counts.items())) or "-"
 
 
 def inspect_output(out: str | Path) -> Group:
@@ -36,6 +43,7 @@ def inspect_output(out: str | Path) -> Group:
         ("MoE layers", str(len({s.prefix.rsplit(".", 1)[0] for s in stacks}))),
         ("stacks", f"{len(stacks)} ({sum(s.num_experts for s in stacks)} stacked experts)"),
         ("quantization", f"{quant.get('bits')}-bit, group {quant.get('group_size')}, sym={quant.get('sym')}"),
+        ("word order", _word_orders(stacks)),
         ("source", source.get("repo_id") or source.get("path") or "?"),
         ("revision", source.get("revision") or "-"),
         ("converter", manifest.get("converter_version", "?")),

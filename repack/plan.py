@@ -17,7 +17,15 @@ from repack.errors import RepackError
 from repack.families import MoeLayer, detect_family, find_moe_layers
 from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, PlannedTensor
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear
-from repack.formats.repack_v1 import INDEX_FILE, MANIFEST_FILE, ROUTED, SHARED, StackInfo, plan_flags
+from repack.formats.repack_v1 import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    ROUTED,
+    SHARED,
+    StackInfo,
+    choose_word_order,
+    plan_flags,
+)
 from repack.quant_config import QuantConfig, parse_quant_config
 from repack.source import SourceCheckpoint
 
@@ -276,6 +284,7 @@ def _stack(
         act_order_w2=act_w2,
         has_g_idx=has_g_idx,
         source_modules=[list(t) for t in triples],
+        word_order=choose_word_order(scheme.bits, hidden, inter, scheme.group_size),
     )
     modules = {module for triple in triples for module in triple}
     sources = sorted(name for name in consumed if name.rsplit(".", 1)[0] in modules)
@@ -300,6 +309,8 @@ def _layer_stacks(layer: MoeLayer, quant: QuantConfig, reader: CheckpointReader)
         if chunks > 1:
             info.num_experts = chunks
             info.intermediate_size //= chunks
+            # The word order depends on the stacked expert's size, which is now the chunk's.
+            info.word_order = choose_word_order(info.bits, info.hidden_size, info.intermediate_size, info.group_size)
             shared.outputs = info.tensor_shapes()
         stacks.append(shared)
     return stacks

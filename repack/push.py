@@ -38,13 +38,13 @@ from rich.table import Table
 from repack.card import is_generated_card, render_model_card
 from repack.errors import RepackError
 from repack.formats.checkpoint import hash_file
-from repack.formats.repack_v1 import CARD_FILE, MANIFEST_FILE
+from repack.formats.repack_v1 import CARD_FILE, MANIFEST_FILE, SUPPORTED_FORMAT_VERSIONS
 
 MANIFEST_NAME = MANIFEST_FILE
 CONFIG_NAME = "config.json"
 CARD_NAME = CARD_FILE
 KNOWN_FORMAT = "repack-moe"
-KNOWN_FORMAT_VERSIONS = (1,)
+KNOWN_FORMAT_VERSIONS = SUPPORTED_FORMAT_VERSIONS
 DEFAULT_BRANCH = "main"
 PUSHING = "pushing to"
 

@@ -99,6 +99,25 @@ def _align_kernel(
         seen += tl.sum(onehot, axis=0)
 
 
+@triton.jit
+def block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """(pair index of each row, row mask, expert) of aligned row block ``pid_m``."""
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pairs, pairs < num_pairs, tl.load(block_experts_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
+def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row blocks share each weight tile while it is hot in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the (token, k) pairs of ``topk_ids`` [M, k] by expert into blocks of ``block_m`` rows."""
     num_pairs = topk_ids.numel()

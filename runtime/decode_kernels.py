@@ -34,14 +34,26 @@ def _field_pos(s: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _field_input(k0, offs_w, s: tl.constexpr, BITS: tl.constexpr, MMA_ORDER: tl.constexpr):
+    """The input index field ``s`` of word ``offs_w`` (counted from ``k0``) holds, in the stack's word order
+    (SPEC.md section 3): gptq ``k0 + pack*j + s``; mma128 per 16-word block ``16(4(j//8) + s%4) + 2(j%8) + s//4``."""
+    if MMA_ORDER:
+        j = offs_w % 16
+        k = k0 + offs_w // 16 * 128 + (j // 8 * 4 + s % 4) * 16 + j % 8 * 2 + s // 4
+    else:
+        k = k0 + offs_w * (32 // BITS) + s
+    return k
+
+
+@triton.jit
 def _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, s: tl.constexpr, BITS: tl.constexpr,
-             HAS_PERM: tl.constexpr):  # fmt: skip
-    """x[k0 + pack*j + s] * 16^-pos as fp32 [WORDS] (0 past K or past the fields of a word)."""
+             HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr):  # fmt: skip
+    """x[input of field s of each word] * 16^-pos as fp32 [WORDS] (0 past K or past the fields of a word)."""
     VALS: tl.constexpr = 32 // BITS
     if s >= VALS:
         return tl.zeros(offs_w.shape, dtype=tl.float32)
     POS, _shift = _field_pos(s, BITS)
-    k = k0 + offs_w * VALS + s
+    k = _field_input(k0, offs_w, s, BITS, MMA_ORDER)
     k_ok = k < K
     if HAS_PERM:
         cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0)
@@ -52,20 +64,21 @@ def _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, s: tl.constexpr,
 
 
 @triton.jit
-def _x_block(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, BITS: tl.constexpr, HAS_PERM: tl.constexpr):
+def _x_block(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
+             MMA_ORDER: tl.constexpr):  # fmt: skip
     """The activations one K block multiplies, one [WORDS] vector per field (8; unused ones are 0).
 
     Returned as separate tensors so the loop can carry them: they are loaded one block ahead, like the
     weights, and never stall the arithmetic."""
     return (
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 0, BITS, HAS_PERM),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 1, BITS, HAS_PERM),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 2, BITS, HAS_PERM),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 3, BITS, HAS_PERM),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 4, BITS, HAS_PERM),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 5, BITS, HAS_PERM),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 6, BITS, HAS_PERM),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 7, BITS, HAS_PERM),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 0, BITS, HAS_PERM, MMA_ORDER),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 1, BITS, HAS_PERM, MMA_ORDER),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 2, BITS, HAS_PERM, MMA_ORDER),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 3, BITS, HAS_PERM, MMA_ORDER),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 4, BITS, HAS_PERM, MMA_ORDER),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 5, BITS, HAS_PERM, MMA_ORDER),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 6, BITS, HAS_PERM, MMA_ORDER),
+        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 7, BITS, HAS_PERM, MMA_ORDER),
     )
 
 
@@ -122,8 +135,8 @@ def _w13_decode_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr, topk_ids_ptr,
     num_experts, N, K, group_len, stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels.
 
@@ -155,14 +168,16 @@ def _w13_decode_kernel(
                                                       group_len, stride_s_g, N, n_mask, offs_w, BITS, HAS_ZEROS,
                                                       SYM_ZERO, EVEN_K, BLOCK_N,
                                                       BLOCK_K)  # fmt: skip
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(x_ptr, x_base, 0, perm_ptr, perm_base, K, offs_w, BITS, HAS_PERM)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(
+        x_ptr, x_base, 0, perm_ptr, perm_base, K, offs_w, BITS, HAS_PERM, MMA_ORDER
+    )
     for k0 in range(0, K, BLOCK_K):
         ahead = k0 + PREFETCH * BLOCK_K
         gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, K,
                                                           k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
                                                           HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
         n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(x_ptr, x_base, k0 + BLOCK_K, perm_ptr, perm_base, K, offs_w, BITS,
-                                                  HAS_PERM)  # fmt: skip
+                                                  HAS_PERM, MMA_ORDER)  # fmt: skip
         acc_gate += sg_0 * _row_dot(gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
         acc_up += su_0 * _row_dot(up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
         if PREFETCH == 2:
@@ -214,8 +229,8 @@ def _w2_decode_kernel(
     inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, topk_ids_ptr,
     num_experts, N, K, group_len, stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for one pair and BLOCK_N channels."""
     pair = tl.program_id(0)
@@ -236,12 +251,14 @@ def _w2_decode_kernel(
                               BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
     w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, BLOCK_K, K, k_words, group_len, stride_s_g, n_mask,
                               offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(inter_ptr, x_base, 0, inter_ptr, 0, K, offs_w, BITS, False)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(inter_ptr, x_base, 0, inter_ptr, 0, K, offs_w, BITS, False, MMA_ORDER)
     for k0 in range(0, K, BLOCK_K):
         w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, K, k_words, group_len,
                                   stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
                                   BLOCK_K)  # fmt: skip
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(inter_ptr, x_base, k0 + BLOCK_K, inter_ptr, 0, K, offs_w, BITS, False)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(
+            inter_ptr, x_base, k0 + BLOCK_K, inter_ptr, 0, K, offs_w, BITS, False, MMA_ORDER
+        )
         acc += s_0 * _row_dot(w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
         if PREFETCH == 2:
             w_0, s_0, z_0 = w_1, s_1, z_1

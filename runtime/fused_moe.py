@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from repack.errors import RepackError
-from repack.runtime.align import align_pairs
+from repack.runtime import weight_major
+from repack.runtime.align import align_pairs, block_rows, tile_ids
 from repack.runtime.decode_kernels import (
     _quant_params,
     _w2_decode_kernel,
@@ -36,25 +37,6 @@ from repack.runtime.decode_kernels import (
 )
 from repack.runtime.kernel_config import fit_config, get_config
 from repack.runtime.weights import MoeWeights
-
-
-@triton.jit
-def _block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
-    """(pair index of each row, row mask, expert) of aligned row block ``pid_m``."""
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return pairs, pairs < num_pairs, tl.load(block_experts_ptr + pid_m).to(tl.int64)
-
-
-@triton.jit
-def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped ordering: GROUP_M row blocks share each weight tile while it is hot in L2."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -130,10 +112,10 @@ def _w13_kernel(
     NIBBLE_DOTS: ``qw_ptr`` is the int32 view and each K step runs one dot per nibble position (needs
     BLOCK_K >= 16 * pack and one group per K step); otherwise the int16 view is unpacked by a reshape.
     """
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    pairs, row_mask, expert = _block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    pairs, row_mask, expert = block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
     VALS: tl.constexpr = (32 if NIBBLE_DOTS else 16) // BITS
     WORDS_K: tl.constexpr = BLOCK_K // VALS
@@ -212,10 +194,10 @@ def _w2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (NIBBLE_DOTS as in _w13_kernel)."""
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    pairs, row_mask, expert = _block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    pairs, row_mask, expert = block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     VALS: tl.constexpr = (32 if NIBBLE_DOTS else 16) // BITS
     WORDS_K: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,6 +266,11 @@ def _check_inputs(hidden_states: torch.Tensor, weights: MoeWeights, topk_ids: to
     for name, k in (("hidden", weights.hidden_size), ("intermediate", weights.intermediate_size)):
         if group != -1 and k % group:
             raise RepackError(f"fused_moe: {name} size {k} is not a multiple of group size {group}")
+    if weights.word_order == "mma128" and not supports_weight_major(weights):
+        raise RepackError(
+            "fused_moe: an mma128 stack needs 4-bit weights, hidden and intermediate sizes and the group size "
+            "in multiples of 128; re-convert the checkpoint with this repack"
+        )
     tensors = [weights.w13_qweight, weights.w13_scales, weights.w2_qweight, weights.w2_scales, topk_ids]
     if any(t.device != hidden_states.device for t in tensors):
         raise RepackError(
@@ -353,8 +340,12 @@ def fused_moe(
         target = out
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)
-    if direct:
+    weight_major_config = bool(cfg.pop("WEIGHT_MAJOR", False))
+    if direct and not weight_major_config:
         _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device)
+    elif weights.word_order == "mma128" or (weight_major_config and supports_weight_major(weights)):
+        # The weight-major kernels are the only tensor-core kernels that read mma128 words.
+        _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, direct, cfg)
     else:
         _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device)
     if atomic:
@@ -371,19 +362,23 @@ def _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, 
     launch_cfg = {k: cfg[k] for k in ("num_warps", "num_stages")}
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     prefetch = int(cfg.get("PREFETCH", 1))  # K blocks loaded ahead of the arithmetic (1 or 2)
+    mma_order = weights.word_order == "mma128"
+    if mma_order:
+        block_k = 128  # one 16-word block of the word order per step
     _w13_decode_kernel[decode_grid(num_pairs, n_inter, block_n)](
         x, w13, weights.w13_scales, zeros13, perm, inter, ids, weights.num_experts,
         n_inter, h, _group_len(weights, h), x.stride(0), w13.stride(0), w13.stride(1),
         weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0),
-        HAS_PERM=weights.w13_perm is not None, EVEN_K=h % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=prefetch,
+        HAS_PERM=weights.w13_perm is not None, EVEN_K=h % block_k == 0, MMA_ORDER=mma_order, BLOCK_N=block_n,
+        BLOCK_K=block_k, PREFETCH=prefetch,
         **common, **launch_cfg,
     )  # fmt: skip
     _w2_decode_kernel[decode_grid(num_pairs, h, block_n)](
         inter, w2, weights.w2_scales, zeros2, route_w, target, ids, weights.num_experts,
         h, n_inter, _group_len(weights, n_inter), inter.stride(0), w2.stride(0), w2.stride(1),
         weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0),
-        ATOMIC=atomic, EVEN_K=n_inter % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch,
+        ATOMIC=atomic, EVEN_K=n_inter % block_k == 0, MMA_ORDER=mma_order, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH=prefetch,
         **common, **launch_cfg,
     )  # fmt: skip
 
@@ -415,6 +410,49 @@ def _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm,
              weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0)]  # fmt: skip
     flags2 = {**mma, "ATOMIC": atomic, "EVEN_K": n_inter % cfg["BLOCK_K"] == 0}
     _launch(_w2_kernel, num_pid_m, h, args2, flags2, cfg, device)
+
+
+def supports_weight_major(weights: MoeWeights) -> bool:
+    return weight_major.supports(weights.bits, weights.hidden_size, weights.intermediate_size, weights.group_size)
+
+
+def _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, direct, cfg):
+    """The weight-major kernels (runtime/weight_major.py): weights as the MMA's register operand. mma128 stacks
+    read the activations as they are; aligned blocks of gptq-order stacks read them in nibble-major order (one
+    copy of x; w13 writes the intermediate that way). DIRECT gives each pair its own block (no alignment) and
+    gathers its few activations."""
+    h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, ids.numel()
+    has_perm = weights.w13_perm is not None
+    if direct:
+        num_pid_m = num_pairs
+        row_ptrs = [ids, ids, ids]  # unused: DIRECT blocks read their pair's expert from topk_ids
+    else:
+        rows = align_pairs(ids, weights.num_experts, cfg["BLOCK_M"])
+        num_pid_m = rows.max_blocks
+        row_ptrs = [rows.sorted_pairs, rows.block_experts, rows.num_blocks]
+    mma_order = weights.word_order == "mma128"
+    nibble_major_x = not (has_perm or direct or mma_order)
+    x_in = weight_major.nibble_major(x) if nibble_major_x else x
+    flags = {k: v for k, v in common.items() if k != "BITS"}
+    scale_acc = bool(cfg.pop("SCALE_ACC", True))
+    cfg = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")}  # BLOCK_K is 128
+    if common["ACT_DTYPE"] == tl.bfloat16 and not scale_acc:
+        # bf16 needs the scale applied in fp32 (SCALE_ACC); its second accumulator would double the registers of a
+        # tile chosen for fp16 (spills), so the tile gives up half its rows instead.
+        scale_acc = True
+        cfg["BLOCK_N"] = max(32, cfg["BLOCK_N"] // 2)
+    flags.update(SCALE_ACC=scale_acc, DIRECT=direct, MMA_ORDER=mma_order)
+    row_args = [*row_ptrs, ids, num_pairs, num_pid_m, weights.num_experts]
+    w13, w2 = weights.w13_qweight, weights.w2_qweight
+    args13 = [x_in, w13, weights.w13_scales, zeros13, perm, inter, *row_args, n_inter, h, _group_len(weights, h),
+              x_in.stride(0), w13.stride(0), w13.stride(1), weights.w13_scales.stride(0),
+              weights.w13_scales.stride(1), inter.stride(0)]  # fmt: skip
+    flags13 = dict(flags, HAS_PERM=has_perm, NIBBLE_MAJOR_X=nibble_major_x)
+    _launch(weight_major._w13_weight_major_kernel, num_pid_m, n_inter, args13, flags13, cfg, x.device)
+    args2 = [inter, w2, weights.w2_scales, zeros2, route_w, target, *row_args, h, n_inter,
+             _group_len(weights, n_inter), inter.stride(0), w2.stride(0), w2.stride(1), weights.w2_scales.stride(0),
+             weights.w2_scales.stride(1), target.stride(0)]  # fmt: skip
+    _launch(weight_major._w2_weight_major_kernel, num_pid_m, h, args2, dict(flags, ATOMIC=atomic), cfg, x.device)
 
 
 def _group_len(weights: MoeWeights, k: int) -> int:

@@ -45,7 +45,7 @@ from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from repack.errors import RepackError
-from repack.formats.repack_v1 import FORMAT_NAME, FORMAT_VERSION, QUANT_METHOD, ROUTED, SHARED, StackInfo
+from repack.formats.repack_v1 import FORMAT_NAME, QUANT_METHOD, ROUTED, SHARED, SUPPORTED_FORMAT_VERSIONS, StackInfo
 from repack.runtime.loader import TensorEntry, read_shard_layout
 from repack.runtime.moe_block import ACTIVATION_DTYPES, MoeBlock
 from repack.runtime.router_reference import DEEPSEEK_V3, RouterSpec, router_spec
@@ -75,10 +75,11 @@ class RepackQuantConfig(QuantizationConfigMixin):
                 f"config.json quantization_config: format {fields.get('format')!r} is not {FORMAT_NAME!r}; "
                 "convert the source with `repack convert`"
             )
-        if fields.get("format_version") != FORMAT_VERSION:
+        if fields.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
             raise RepackError(
                 f"config.json quantization_config: {FORMAT_NAME} format_version {fields.get('format_version')!r} "
-                f"is not supported by this reader (knows {FORMAT_VERSION}); upgrade moe-repack or re-convert"
+                f"is not supported by this reader (knows {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade "
+                "moe-repack or re-convert"
             )
 
     def stack_infos(self) -> list[StackInfo]:

@@ -50,16 +50,22 @@ def direct_mode(num_pairs: int, num_experts: int) -> bool:
 
 
 def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """A safe config for untuned shapes, following what the H200 sweep picked for the tuned ones."""
+    """A safe config for untuned shapes, following what the H200 sweep picked for the tuned ones.
+
+    Past decode: the weight-major tensor-core kernels (runtime/weight_major.py), with a token tile that grows
+    with the rows each expert gets; fused_moe runs a stack they do not support on its older kernels instead.
+    """
     num_pairs = num_tokens * top_k
     per_expert = num_pairs / max(1, num_experts)
     if direct_mode(num_pairs, num_experts):
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, DIRECT=True)
-    if per_expert <= 64:
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, NIBBLE_DOTS=True)
-    if per_expert <= 256:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if per_expert <= 8:
+        tile = dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1)
+    elif per_expert <= 24:
+        tile = dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=4)
+    else:
+        tile = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8)
+    return dict(tile, BLOCK_K=128, num_warps=4, num_stages=3, WEIGHT_MAJOR=True, SCALE_ACC=False)
 
 
 HEURISTIC_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -95,7 +101,7 @@ def load_configs(num_experts: int, intermediate_size: int, name: str) -> dict[in
 # On the CPU the kernels run in Triton's interpreter, one program after another: the cost is the number of
 # programs, not bytes, so every M takes the sorted path with wide tiles (the decode path's one program per
 # token-expert pair and BLOCK_N tile is the slowest choice there). Tests pass explicit configs for the rest.
-INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1, WEIGHT_MAJOR=True)
 
 
 def get_config(weights, num_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> dict:

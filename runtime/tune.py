@@ -44,24 +44,63 @@ TENSOR_CORE_CONFIGS = [
     for bm, bn, bk, g, w, st in _TILES
     for nibble in ((False, True) if bk == 128 else (False,))
 ]
+_WEIGHT_MAJOR_TILES = (  # BLOCK_M (tokens), BLOCK_N (w2 rows; w13 channels), GROUP_M, warps, stages
+    (16, 64, 1, 4, 3),
+    (16, 64, 1, 4, 4),
+    (16, 128, 1, 4, 3),
+    (32, 64, 4, 4, 3),
+    (32, 128, 4, 4, 3),
+    (64, 64, 8, 4, 3),
+    (64, 128, 8, 4, 3),
+    (64, 128, 8, 8, 3),
+    (128, 64, 8, 4, 2),
+    (128, 64, 8, 8, 3),
+    (128, 128, 8, 8, 2),
+    (128, 128, 8, 8, 3),
+)
+WEIGHT_MAJOR_CONFIGS = [  # BLOCK_K is fixed at 128 by these kernels (runtime/weight_major.py)
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=g, num_warps=w, num_stages=st, WEIGHT_MAJOR=True, SCALE_ACC=False)
+    for bm, bn, g, w, st in _WEIGHT_MAJOR_TILES
+]
+WEIGHT_MAJOR_DIRECT_CONFIGS = [  # decode: one block per (token, expert) pair, no alignment launch
+    dict(
+        BLOCK_M=16,
+        BLOCK_N=bn,
+        BLOCK_K=128,
+        GROUP_M=1,
+        num_warps=4,
+        num_stages=st,
+        WEIGHT_MAJOR=True,
+        SCALE_ACC=False,
+        DIRECT=True,
+    )  # fmt: skip
+    for bn in (32, 64)
+    for st in (3, 5)
+]
 
 
-def candidate_configs(num_tokens: int, top_k: int, num_experts: int) -> list[dict]:
+def candidate_configs(num_tokens: int, top_k: int, num_experts: int, word_order: str = "mma128") -> list[dict]:
     """The search space that found the shipped H200 tables (benchmarks/RESULTS.md).
 
-    Decode (CUDA-core, one program per pair) while pairs are few; tensor-core tiles whose BLOCK_M is not far
-    above the rows an expert gets; both top-k reductions where the sum is cheap enough to matter.
+    Decode (CUDA-core or weight-major, one block per pair) while pairs are few; tensor-core tiles whose
+    BLOCK_M is not far above the rows an expert gets (mma128 stacks run only the weight-major kernels);
+    both top-k reductions where the sum is cheap enough to matter.
     """
     pairs = num_tokens * top_k
     rows_per_expert = pairs / max(1, num_experts)
-    configs = list(DECODE_CONFIGS) if pairs <= 64 else []
-    configs += [c for c in TENSOR_CORE_CONFIGS if c["BLOCK_M"] <= max(16, 4 * rows_per_expert)]
+    configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 64 else []
+    tiles = WEIGHT_MAJOR_CONFIGS if word_order == "mma128" else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
+    configs += [c for c in tiles if c["BLOCK_M"] <= max(16, 4 * rows_per_expert)]
     reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
     return [dict(c, REDUCE=r) for c in configs for r in reduces]
 
 
-def random_stack(experts: int, hidden: int, inter: int, copies: int, group: int = 128) -> list[MoeWeights]:
+def random_stack(
+    experts: int, hidden: int, inter: int, copies: int, group: int = 128, word_order: str = "mma128"
+) -> list[MoeWeights]:
     """``copies`` MoeWeights views into one random int4 sym stack (random words, scales ~0.01), on the GPU.
+
+    ``word_order`` only says how the kernels read the random words (the converter writes mma128 for these shapes).
 
     Timing cycles through the copies so that L2 never holds the weights; benchmarks/bench_moe.py uses it too.
     """
@@ -72,7 +111,10 @@ def random_stack(experts: int, hidden: int, inter: int, copies: int, group: int 
     s13 = (torch.rand(total, hidden // group, 2 * inter, device="cuda") * 0.01 + 0.005).half()
     s2 = (torch.rand(total, inter // group, hidden, device="cuda") * 0.01 + 0.005).half()
     sl = lambda c: slice(c * experts, (c + 1) * experts)  # noqa: E731
-    return [MoeWeights(w13[sl(c)], s13[sl(c)], w2[sl(c)], s2[sl(c)], bits=4, group_size=group) for c in range(copies)]
+    return [
+        MoeWeights(w13[sl(c)], s13[sl(c)], w2[sl(c)], s2[sl(c)], bits=4, group_size=group, word_order=word_order)
+        for c in range(copies)
+    ]
 
 
 def time_graph(fn, replays: int) -> float:

@@ -26,6 +26,7 @@ class MoeWeights:
     w13_zeros: torch.Tensor | None = None  # uint8 [E, G1, 2I]
     w2_zeros: torch.Tensor | None = None  # uint8 [E, G2, H]
     w13_perm: torch.Tensor | None = None  # int32 [E, H]
+    word_order: str = "gptq"  # where each input sits in the words: "gptq" or "mma128" (SPEC.md section 3)
 
     @property
     def num_experts(self) -> int:
@@ -57,4 +58,5 @@ class MoeWeights:
             w13_zeros=get("w13_zeros"),
             w2_zeros=get("w2_zeros"),
             w13_perm=get("w13_perm"),
+            word_order=info.word_order,
         )

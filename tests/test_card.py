@@ -22,7 +22,7 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 def hub_manifest() -> dict:
     return {
         "format": "repack-moe",
-        "format_version": 1,
+        "format_version": 2,
         "converter_version": "0.1.0",
         "source": {"repo_id": "Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4", "revision": REVISION},
         "source_files": SOURCE_FILES,
@@ -43,6 +43,7 @@ def repack_config(act_order: bool = False) -> dict:
         "sym": True,
         "act_order_w13": act_order,
         "act_order_w2": act_order,
+        "word_order": "mma128",
     }
     shared = dict(stack, prefix="model.layers.0.mlp.shared_experts", kind="shared", num_experts=8)
     return {
@@ -51,7 +52,7 @@ def repack_config(act_order: bool = False) -> dict:
         "quantization_config": {
             "quant_method": "repack",
             "format": "repack-moe",
-            "format_version": 1,
+            "format_version": 2,
             "bits": 4,
             "group_size": 128,
             "sym": True,
@@ -89,7 +90,7 @@ def test_body_states_format_source_revision_and_every_source_checksum():
     _, body = split_card(
         render_model_card(hub_manifest(), repack_config(), repo_id="myorg/qwen-repack", speed_table=None)
     )
-    assert "repack-moe v1" in body
+    assert "repack-moe v2" in body
     assert "moe-repack 0.1.0" in body
     assert "Qwen2MoeForCausalLM" in body
     assert "GPTQ int4, group size 128, symmetric" in body

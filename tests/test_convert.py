@@ -35,7 +35,7 @@ def test_fixture_converts_and_verifies(fixture, tmp_path):
         assert (out / name).read_bytes() == (fixture / name).read_bytes()
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     source_quant = json.loads((fixture / "config.json").read_text())["quantization_config"]
-    assert quant["quant_method"] == "repack" and quant["format_version"] == 1
+    assert quant["quant_method"] == "repack" and quant["format_version"] == 2
     assert quant["source_quantization_config"] == source_quant
 
 

@@ -30,7 +30,15 @@ def make_expert(hidden: int, inter: int, scheme: GptqScheme, act_order: bool, se
     return gate, up, down
 
 
-def make_stack(experts: int, hidden: int, inter: int, scheme: GptqScheme, act_order: bool = False, chunks: int = 1):
+def make_stack(
+    experts: int,
+    hidden: int,
+    inter: int,
+    scheme: GptqScheme,
+    act_order: bool = False,
+    chunks: int = 1,
+    word_order: str = "gptq",
+):
     """(MoeWeights in our layout, source experts). ``chunks`` > 1 packs ONE source expert as that many chunks."""
     sources = [make_expert(hidden, inter * chunks, scheme, act_order, 100 * j) for j in range(experts // chunks)]
     names = [(f"e{j}.gate_proj", f"e{j}.up_proj", f"e{j}.down_proj") for j in range(len(sources))]
@@ -49,6 +57,7 @@ def make_stack(experts: int, hidden: int, inter: int, scheme: GptqScheme, act_or
         act_order_w2=act2,
         has_g_idx=has_g_idx,
         source_modules=[list(n) for n in names],
+        word_order=word_order,
     )
     return MoeWeights.from_tensors(info, pack_stack(info, sources)), sources
 
@@ -166,6 +175,89 @@ def test_aligned_nibble_dots(device, scheme, act_order):
     config = dict(BIG, BLOCK_M=16, BLOCK_K=128, NIBBLE_DOTS=True)
     err = run_case(weights, sources, scheme, 24, 2, [0, 1, 3], config, device, seed=7)
     assert err <= 2e-3
+
+
+WEIGHT_MAJOR = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, WEIGHT_MAJOR=True)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order", "config"),
+    [
+        (GptqScheme(4, 128, True, "gptq"), False, WEIGHT_MAJOR),
+        (GptqScheme(4, 128, True, "gptq"), True, dict(WEIGHT_MAJOR, SCALE_ACC=False)),
+        (GptqScheme(4, -1, False, "gptq_v2"), False, dict(WEIGHT_MAJOR, BLOCK_M=32, BLOCK_N=128, REDUCE="atomic")),
+    ],
+    ids=["sym-g128", "sym-g128-actorder-fp16-scales", "asym-per-channel-atomic"],
+)
+def test_weight_major_aligned(device, scheme, act_order, config):
+    """The weight-major kernels: weights as the MMA's register operand, activations in nibble-major order (or
+    gathered through the act-order permutation), intermediate written in that order; tokens > BLOCK_M."""
+    weights, sources = make_stack(4, 256, 256, scheme, act_order=act_order)
+    assert run_case(weights, sources, scheme, 24, 2, [0, 1, 3], config, device, seed=7) <= 2e-3
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order", "m", "top_k", "reduce"),
+    [
+        (GptqScheme(4, 128, False, "gptq"), True, 3, 2, "pairs"),
+        (GptqScheme(4, 128, True, "gptq"), False, 2, 3, "atomic"),
+    ],
+    ids=["asym-actorder", "sym-atomic"],
+)
+def test_weight_major_direct(device, scheme, act_order, m, top_k, reduce):
+    """DIRECT on the weight-major kernels: one block per pair, expert from topk_ids, activations gathered."""
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order)
+    config = dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True, REDUCE=reduce)
+    assert run_case(weights, sources, scheme, m, top_k, [0, 1, 3], config, device, seed=9) <= 2e-3
+
+
+def test_weight_major_config_on_a_stack_it_cannot_run_uses_the_other_kernels(device):
+    """Groups of 64 break the one-scale-row-per-128-step rule: the config still gives the right answer."""
+    scheme = GptqScheme(4, 64, True, "gptq")
+    weights, sources = make_stack(4, 256, 128, scheme)
+    assert run_case(weights, sources, scheme, 5, 2, [0, 1, 3], dict(WEIGHT_MAJOR), device, seed=10) <= 2e-3
+
+
+MMA128_CASES = [
+    (GptqScheme(4, 128, True, "gptq"), False, 24, 2, WEIGHT_MAJOR),
+    (GptqScheme(4, 128, False, "gptq"), True, 24, 2, dict(WEIGHT_MAJOR, SCALE_ACC=False, BLOCK_M=32, BLOCK_N=128)),
+    (GptqScheme(4, -1, False, "gptq_v2"), False, 20, 3, dict(BIG, BLOCK_K=128, REDUCE="atomic")),
+    (GptqScheme(4, 128, False, "gptq"), True, 3, 2, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True)),
+    (GptqScheme(4, 128, True, "gptq"), False, 2, 3, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True, REDUCE="atomic")),
+]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order", "m", "top_k", "config"),
+    MMA128_CASES,
+    ids=["sym-g128", "asym-actorder-fp16-scales", "asym-per-channel-any-config", "direct-actorder", "direct-atomic"],
+)
+def test_mma128_word_order_on_the_weight_major_kernels(device, scheme, act_order, m, top_k, config):
+    """mma128 words (what the converter writes for g128 stacks): the weight-major kernels read them for every
+    tensor-core config (also one tuned for the older kernels), aligned and DIRECT."""
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order, word_order="mma128")
+    assert weights.word_order == "mma128"
+    assert run_case(weights, sources, scheme, m, top_k, [0, 1, 3], config, device, seed=12) <= 2e-3
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_mma128_word_order_on_the_cuda_core_decode_kernels(device, prefetch):
+    scheme = GptqScheme(4, 128, False, "gptq")
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=True, word_order="mma128")
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, DIRECT=True,
+                  PREFETCH=prefetch, REDUCE="atomic" if prefetch == 2 else "pairs")  # fmt: skip
+    assert run_case(weights, sources, scheme, 3, 2, [0, 1, 3], config, device, seed=13) <= 2e-3
+
+
+def test_nibble_major_order():
+    """Position 128b + 16s + j holds column 128b + 8j + s: field s of word j, the order a nibble dot reads."""
+    from repack.runtime.weight_major import nibble_major
+
+    x = torch.arange(2 * 256).reshape(2, 256)
+    out = nibble_major(x)
+    b, s, j = 1, 3, 5
+    assert out[1, 128 * b + 16 * s + j] == x[1, 128 * b + 8 * j + s]
+    assert sorted(out[0].tolist()) == x[0].tolist()
 
 
 def test_default_and_heuristic_configs(device):

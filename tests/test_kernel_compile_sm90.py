@@ -57,11 +57,13 @@ def compile_config(cfg: dict, act: str, variant: str) -> dict[str, int]:
 
     from repack.runtime.decode_kernels import _w2_decode_kernel, _w13_decode_kernel
     from repack.runtime.fused_moe import _w2_kernel, _w13_kernel
+    from repack.runtime.weight_major import _w2_weight_major_kernel, _w13_weight_major_kernel
 
     asym = variant == "asym_actorder"
+    mma_order = not asym  # what the converter writes for g128 stacks; the act-order variant keeps gptq order
     ptr = "*bf16" if act == "bfloat16" else "*fp16"
     nibble = bool(cfg.get("NIBBLE_DOTS", False))
-    word = "*i32" if nibble or cfg.get("DIRECT") else "*i16"
+    word = "*i32" if nibble or cfg.get("DIRECT") or cfg.get("WEIGHT_MAJOR") else "*i16"
     types = dict(
         x_ptr=ptr,
         inter_ptr=ptr,
@@ -81,8 +83,16 @@ def compile_config(cfg: dict, act: str, variant: str) -> dict[str, int]:
     common = dict(TOP_K=8, BITS=4, SYM_ZERO=8, HAS_ZEROS=asym, ACT_DTYPE=getattr(tl, act), EVEN_K=True)
     tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     launch = (cfg["num_warps"], cfg["num_stages"])
-    if cfg.get("DIRECT"):
-        decode = dict(common, PREFETCH=cfg.get("PREFETCH", 1), **tiles)
+    if cfg.get("WEIGHT_MAJOR"):
+        direct = bool(cfg.get("DIRECT"))
+        wm = {k: v for k, v in common.items() if k not in ("BITS", "EVEN_K")}
+        wm.update(SCALE_ACC=cfg.get("SCALE_ACC", True) or act == "bfloat16", BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], DIRECT=direct, MMA_ORDER=mma_order)  # fmt: skip
+        flags13 = {**wm, "HAS_PERM": asym, "NIBBLE_MAJOR_X": not (asym or direct or mma_order)}
+        w13 = _compile(_w13_weight_major_kernel, types, flags13, *launch)
+        w2 = _compile(_w2_weight_major_kernel, types2, {**wm, "ATOMIC": atomic}, *launch)
+    elif cfg.get("DIRECT"):
+        decode = dict(common, PREFETCH=cfg.get("PREFETCH", 1), MMA_ORDER=mma_order, **tiles)
         w13 = _compile(_w13_decode_kernel, types, {**decode, "HAS_PERM": asym}, *launch)
         w2 = _compile(_w2_decode_kernel, types2, {**decode, "ATOMIC": atomic}, *launch)
     else:

@@ -439,10 +439,10 @@ def test_not_a_converted_folder_is_refused(tmp_path: Path):
 
 def test_unknown_format_version_is_refused(out: Path):
     manifest_path = out / "repack_manifest.json"
-    manifest_path.write_text(json.dumps(dict(json.loads(manifest_path.read_text()), format_version=2)))
+    manifest_path.write_text(json.dumps(dict(json.loads(manifest_path.read_text()), format_version=99)))
     with pytest.raises(RepackError) as error:
         plan_push(out, "me/model")
-    assert_one_line(error.value, "format_version 2", "upgrade moe-repack")
+    assert_one_line(error.value, "format_version 99", "upgrade moe-repack")
 
 
 def test_edited_readme_is_kept_unless_forced(out: Path):
