@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo-out
 
-.PHONY: install demo test lint format bench-convert bench-moe clean
+.PHONY: install demo test lint format bench-convert bench-moe device-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,3 +39,8 @@ bench-moe: $(STAMP)
 
 clean:
 	rm -rf $(DEMO_DIR) build dist *.egg-info .pytest_cache .ruff_cache
+
+# Wheels of the CLI's dependencies for the GPU machine, which has no network (benchmarks/device_run.sh installs them).
+device-wheels: $(STAMP)
+	$(BIN)/python -m pip download -q rich typer 'huggingface_hub>=2.0' --python-version 3.12 --only-binary=:all: \
+		--platform manylinux2014_x86_64 -d .wheels

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--scale", default="full", choices=["full", "small"], help="small: a tiny shape, to test here")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    work = Path(args.work)
+    work = Path(args.work).resolve()
     src, out = work / "src", work / "out"
     if not (src / "model.safetensors.index.json").exists():
         subprocess.run([sys.executable, str(HERE / "make_synthetic_57b.py"), str(src), "--layers", str(args.layers),
@@ -76,7 +76,9 @@ def main() -> None:
         start = time.perf_counter()
         cli = "from repack.cli import main; main()"
         command = [sys.executable, "-c", cli, "convert", str(src), str(out), "--quiet"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        # cwd: not the repo root, whose source `repack/` folder would shadow the installed package (`-c` puts the
+        # working directory first on sys.path), as it did on the GPU machine.
+        done = subprocess.run(command, capture_output=True, text=True, cwd=work)
         if done.returncode:
             raise SystemExit(f"repack convert failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         print(f"convert: {time.perf_counter() - start:.1f} s", flush=True)
