@@ -1,6 +1,11 @@
-"""The fused W4A16 MoE: two Triton GEMMs that read the repack-moe v1 layout as stored.
+"""The fused W4A16 MoE: two Triton GEMMs that read the repack-moe layout as stored.
 
 ``fused_moe`` computes ``sum_k w[m,k] * W2[e] @ (silu(W1[e] x) * (W3[e] x))`` with ``e = topk_ids[m,k]``.
+
+Which kernels run: decode configs (``DIRECT``) take the CUDA-core kernels of runtime/decode_kernels.py (any
+word order); ``WEIGHT_MAJOR`` configs, and every tensor-core config on an mma128 stack, take the weight-major
+kernels of runtime/weight_major.py (the tuned default past decode); the kernels below serve the gptq-order
+stacks those cannot run (groups under 128, K not a multiple of 128, 8-bit):
 
 - w13 kernel: one program per (row block, n tile) loads the gate rows ``n0..`` and the up rows ``I+n0..``
   of its expert (SPEC.md section 3 puts matching channels there), runs two tensor-core dots into fp32
@@ -266,7 +271,7 @@ def _check_inputs(hidden_states: torch.Tensor, weights: MoeWeights, topk_ids: to
     for name, k in (("hidden", weights.hidden_size), ("intermediate", weights.intermediate_size)):
         if group != -1 and k % group:
             raise RepackError(f"fused_moe: {name} size {k} is not a multiple of group size {group}")
-    if weights.word_order == "mma128" and not supports_weight_major(weights):
+    if weights.mma_order and not supports_weight_major(weights):
         raise RepackError(
             "fused_moe: an mma128 stack needs 4-bit weights, hidden and intermediate sizes and the group size "
             "in multiples of 128; re-convert the checkpoint with this repack"
@@ -343,7 +348,7 @@ def fused_moe(
     weight_major_config = bool(cfg.pop("WEIGHT_MAJOR", False))
     if direct and not weight_major_config:
         _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device)
-    elif weights.word_order == "mma128" or (weight_major_config and supports_weight_major(weights)):
+    elif weights.mma_order or (weight_major_config and supports_weight_major(weights)):
         # The weight-major kernels are the only tensor-core kernels that read mma128 words.
         _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, direct, cfg)
     else:
@@ -362,7 +367,7 @@ def _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, 
     launch_cfg = {k: cfg[k] for k in ("num_warps", "num_stages")}
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     prefetch = int(cfg.get("PREFETCH", 1))  # K blocks loaded ahead of the arithmetic (1 or 2)
-    mma_order = weights.word_order == "mma128"
+    mma_order = weights.mma_order
     if mma_order:
         block_k = 128  # one 16-word block of the word order per step
     _w13_decode_kernel[decode_grid(num_pairs, n_inter, block_n)](
@@ -430,7 +435,7 @@ def _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, 
         rows = align_pairs(ids, weights.num_experts, cfg["BLOCK_M"])
         num_pid_m = rows.max_blocks
         row_ptrs = [rows.sorted_pairs, rows.block_experts, rows.num_blocks]
-    mma_order = weights.word_order == "mma128"
+    mma_order = weights.mma_order
     nibble_major_x = not (has_perm or direct or mma_order)
     x_in = weight_major.nibble_major(x) if nibble_major_x else x
     flags = {k: v for k, v in common.items() if k != "BITS"}

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from repack.errors import RepackError
+from repack.formats.repack_v1 import MMA128_ORDER, choose_word_order
 from repack.runtime.fused_moe import fused_moe
 from repack.runtime.kernel_config import config_file_name, device_name, heuristic_config
 from repack.runtime.weights import MoeWeights
@@ -79,7 +80,7 @@ WEIGHT_MAJOR_DIRECT_CONFIGS = [  # decode: one block per (token, expert) pair, n
 ]
 
 
-def candidate_configs(num_tokens: int, top_k: int, num_experts: int, word_order: str = "mma128") -> list[dict]:
+def candidate_configs(num_tokens: int, top_k: int, num_experts: int, word_order: str = MMA128_ORDER) -> list[dict]:
     """The search space that found the shipped H200 tables (benchmarks/RESULTS.md).
 
     Decode (CUDA-core or weight-major, one block per pair) while pairs are few; tensor-core tiles whose
@@ -89,21 +90,21 @@ def candidate_configs(num_tokens: int, top_k: int, num_experts: int, word_order:
     pairs = num_tokens * top_k
     rows_per_expert = pairs / max(1, num_experts)
     configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 64 else []
-    tiles = WEIGHT_MAJOR_CONFIGS if word_order == "mma128" else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
+    tiles = WEIGHT_MAJOR_CONFIGS if word_order == MMA128_ORDER else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
     configs += [c for c in tiles if c["BLOCK_M"] <= max(16, 4 * rows_per_expert)]
     reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
     return [dict(c, REDUCE=r) for c in configs for r in reduces]
 
 
 def random_stack(
-    experts: int, hidden: int, inter: int, copies: int, group: int = 128, word_order: str = "mma128"
+    experts: int, hidden: int, inter: int, copies: int, group: int = 128, word_order: str | None = None
 ) -> list[MoeWeights]:
     """``copies`` MoeWeights views into one random int4 sym stack (random words, scales ~0.01), on the GPU.
 
-    ``word_order`` only says how the kernels read the random words (the converter writes mma128 for these shapes).
-
     Timing cycles through the copies so that L2 never holds the weights; benchmarks/bench_moe.py uses it too.
+    ``word_order`` (how the kernels read the random words) defaults to the one the converter writes for this shape.
     """
+    word_order = word_order or choose_word_order(4, hidden, inter, group)
     total = experts * copies
     info32 = torch.iinfo(torch.int32)
     w13 = torch.randint(info32.min, info32.max, (total, 2 * inter, hidden // 8), dtype=torch.int32, device="cuda")
@@ -150,7 +151,7 @@ def tune_shape(e: int, h: int, i: int, top_k: int, dtype: torch.dtype, token_cou
         w = torch.rand(m, top_k, device="cuda")
         expected = fused_moe(x, weights[0], ids, w, config=heuristic_config(m, top_k, e))
         timings = []
-        for cfg in candidate_configs(m, top_k, e):
+        for cfg in candidate_configs(m, top_k, e, weights[0].word_order):
             out = fused_moe(x, weights[0], ids, w, config=cfg)
             if not torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2):
                 continue

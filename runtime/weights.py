@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from repack.formats.repack_v1 import StackInfo
+from repack.formats.repack_v1 import GPTQ_ORDER, MMA128_ORDER, StackInfo
 
 
 @dataclass
@@ -26,7 +26,12 @@ class MoeWeights:
     w13_zeros: torch.Tensor | None = None  # uint8 [E, G1, 2I]
     w2_zeros: torch.Tensor | None = None  # uint8 [E, G2, H]
     w13_perm: torch.Tensor | None = None  # int32 [E, H]
-    word_order: str = "gptq"  # where each input sits in the words: "gptq" or "mma128" (SPEC.md section 3)
+    word_order: str = GPTQ_ORDER  # where each input sits in the words: GPTQ_ORDER or MMA128_ORDER (SPEC.md section 3)
+
+    @property
+    def mma_order(self) -> bool:
+        """The words are in the mma128 order (the weight-major and decode kernels read it; nothing else does)."""
+        return self.word_order == MMA128_ORDER
 
     @property
     def num_experts(self) -> int:
