@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cat: {figures['read_s']:.1f} s for {figures['source_bytes'] / 1e9:.2f} GB", flush=True)
 
         drop_page_cache()
-        repack = shutil.which("repack") or "repack"
+        # The `repack` of this interpreter's environment (`make bench-convert` does not put .venv/bin on PATH).
+        beside = Path(sys.executable).parent / "repack"
+        repack = str(beside) if beside.exists() else shutil.which("repack") or "repack"
         convert = [repack, "convert", str(src), str(out), "--shard-size", args.shard_size, "--quiet"]
         figures["convert"] = run_child(convert)
         figures["output_bytes"] = folder_bytes(out)

@@ -101,6 +101,7 @@ def _pair_weights(words, zero_f, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr
 
 @triton.jit
 def _zero_bias(zero, ACT_DTYPE: tl.constexpr):
+    """``1024 + zero`` (fp16) or ``128 + zero`` (bf16): what the exponent trick leaves in each weight, plus its zero."""
     if tl.float16 == ACT_DTYPE:
         bias = (zero + 1024).to(tl.float16)
     else:
