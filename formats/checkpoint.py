@@ -37,7 +37,6 @@ from .repack_v1 import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_V
 
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-HASH_CHUNK = 16 << 20
 READ_CHUNK = 16 << 20  # pieces of a large copied tensor (embeddings, lm_head) read at a time
 STAGING_BYTES = 16 << 20  # aligned write buffer of one output file (O_DIRECT writes of this size)
 QUEUE_BYTES = 256 << 20  # most tensor bytes the writer thread may hold that are not yet on disk
@@ -668,22 +667,6 @@ def write_json(path: Path, data: dict) -> WrittenFile:
     encoded = (json.dumps(data, indent=2) + "\n").encode()
     path.write_bytes(encoded)
     return WrittenFile(path.name, hashlib.sha256(encoded).hexdigest(), len(encoded))
-
-
-def hash_file(path: Path) -> tuple[str, int]:
-    """sha256 hex and size of a file, read in large sequential chunks."""
-    digest = hashlib.sha256()
-    size = 0
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(HASH_CHUNK), b""):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
-
-
-def iter_file_chunks(path: Path) -> Iterator[bytes]:
-    with path.open("rb") as handle:
-        yield from iter(lambda: handle.read(HASH_CHUNK), b"")
 
 
 def read_config(folder: str | Path) -> dict:

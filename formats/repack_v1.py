@@ -28,6 +28,22 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .constants import (  # noqa: F401 - re-exported, so this module still names the whole format
+    CARD_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    GPTQ_ORDER,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    MMA128_BLOCK,
+    MMA128_ORDER,
+    QUANT_METHOD,
+    ROUTED,
+    SHARED,
+    STACK_TENSORS,
+    SUPPORTED_FORMAT_VERSIONS,
+    WORD_ORDERS,
+)
 from .gptq import (
     GptqFormatError,
     GptqLinear,
@@ -38,27 +54,6 @@ from .gptq import (
     unpack_along_rows,
     write_zero_points,
 )
-
-FORMAT_NAME = "repack-moe"
-FORMAT_VERSION = 2  # what the converter writes
-SUPPORTED_FORMAT_VERSIONS = (1, 2)  # what readers accept: v1 is v2 with every stack in the "gptq" word order
-QUANT_METHOD = "repack"
-MANIFEST_FILE = "repack_manifest.json"
-CARD_FILE = "README.md"  # the model card: written and owned by `repack push`, not a conversion output
-INDEX_FILE = "model.safetensors.index.json"
-
-STACK_TENSORS = ("w13_qweight", "w13_scales", "w13_zeros", "w13_perm", "w2_qweight", "w2_scales", "w2_zeros", "w2_perm")
-ROUTED = "routed"
-SHARED = "shared"
-
-# Nibble orders of the qweight words along a row. "gptq": field s of word r is input 8r + s. "mma128" (4-bit):
-# inside each block of 16 words (128 inputs) field s of word w holds input
-# 16 * (4 * (w // 8) + s % 4) + 2 * (w % 8) + s // 4, so one shift and mask of a word gives the fp16x2 pair
-# (k, k + 1) one thread of Hopper's wgmma A fragment needs (formats/SPEC.md section 3).
-GPTQ_ORDER = "gptq"
-MMA128_ORDER = "mma128"
-WORD_ORDERS = (GPTQ_ORDER, MMA128_ORDER)
-MMA128_BLOCK = 128  # inputs per permuted block: 16 words of 8 nibbles
 
 
 class StackInfoError(ValueError, TypeError):

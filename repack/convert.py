@@ -38,16 +38,9 @@ from rich.progress import (
 
 from repack import __version__
 from repack.errors import RepackError
-from repack.formats.checkpoint import (
-    CONFIG_FILE,
-    HASH_CHUNK,
-    CheckpointReader,
-    ShardedWriter,
-    WrittenFile,
-    hash_file,
-    write_json,
-)
+from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, ShardedWriter, WrittenFile, write_json
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero_points, write_zero_points
+from repack.formats.hashing import HASH_CHUNK, hash_file
 from repack.formats.repack_v1 import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, PackStack, Plan, build_plan
 from repack.source import SourceCheckpoint, resolve_source

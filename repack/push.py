@@ -37,8 +37,8 @@ from rich.table import Table
 
 from repack.card import is_generated_card, render_model_card
 from repack.errors import RepackError
-from repack.formats.checkpoint import hash_file
-from repack.formats.repack_v1 import CARD_FILE, MANIFEST_FILE, SUPPORTED_FORMAT_VERSIONS
+from repack.formats.constants import CARD_FILE, MANIFEST_FILE, SUPPORTED_FORMAT_VERSIONS
+from repack.formats.hashing import hash_file
 
 MANIFEST_NAME = MANIFEST_FILE
 CONFIG_NAME = "config.json"

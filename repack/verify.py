@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from repack.errors import RepackError
-from repack.formats.checkpoint import CheckpointReader, hash_file, read_repack_config
+from repack.formats.checkpoint import CheckpointReader, read_repack_config
+from repack.formats.hashing import hash_file
 from repack.formats.repack_v1 import CARD_FILE, MANIFEST_FILE, split_by_source, unpack_stack
 from repack.source import resolve_source
 

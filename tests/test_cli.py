@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from repack.formats.repack_v1 import MANIFEST_FILE
 from tests.cli_helpers import assert_one_line_error, run_cli
@@ -78,3 +80,10 @@ def test_inspect_refuses_a_gptq_folder():
 
 def test_revision_on_local_folder_refused(tmp_path):
     assert_one_line_error(run_cli("convert", SRC, tmp_path / "o", "--revision", "main"), "--revision")
+
+
+def test_the_cli_starts_without_importing_torch():
+    """`repack --help` and `repack push` must not pay for torch (about 1.5 s): the format's constants and file
+    hashing are torch-free modules, and the commands that need tensors import them when they run."""
+    code = "import sys, repack.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

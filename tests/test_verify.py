@@ -57,7 +57,7 @@ def _rewrite_stack_tensor(out, name, change):
     tensors = load_file(shard)
     tensors[name] = change(tensors[name].clone())
     save_file(tensors, shard, metadata={"format": "pt"})
-    from repack.formats.checkpoint import hash_file
+    from repack.formats.hashing import hash_file
 
     manifest = json.loads((out / "repack_manifest.json").read_text())
     sha, size = hash_file(shard)
