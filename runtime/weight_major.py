@@ -69,12 +69,10 @@ def _nibble_weights(words, zero_f, scale, s: tl.constexpr, ACT_DTYPE: tl.constex
     """
     q = (words >> (4 * s)) & 0xF
     if tl.float16 == ACT_DTYPE:
-        w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zero_f[:, None]
-        if not SCALE_ACC:
-            w = w * scale[:, None]
+        biased = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        w = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - zero_f[:, None]
-    return w
+        biased = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return _unbias(biased, zero_f, scale, ACT_DTYPE, SCALE_ACC)
 
 
 @triton.jit
@@ -93,7 +91,14 @@ def _pair_weights(words, zero_f, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr
         both = ((words >> (4 * i)) & 0x000F000F) | 0x43004300
         lo = (both & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
         hi = (both >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    w = tl.reshape(tl.join(lo, hi), (words.shape[0], 16)) - zero_f[:, None]
+    return _unbias(tl.reshape(tl.join(lo, hi), (words.shape[0], 16)), zero_f, scale, ACT_DTYPE, SCALE_ACC)
+
+
+@triton.jit
+def _unbias(biased, zero_f, scale, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr):
+    """``bias + q`` [rows, K] -> ``q - zero`` (exact), times the row's scale in fp16 unless SCALE_ACC (bf16 always
+    scales the K step's fp32 sum instead: fp16 scales do not fit bf16)."""
+    w = biased - zero_f[:, None]
     if tl.float16 == ACT_DTYPE and not SCALE_ACC:
         w = w * scale[:, None]
     return w
