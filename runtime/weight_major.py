@@ -34,17 +34,18 @@ import torch
 import triton
 import triton.language as tl
 
+from repack.formats.repack_v1 import MMA128_BLOCK, MMA128_ORDER, choose_word_order
 from repack.runtime.align import block_rows, tile_ids
 from repack.runtime.decode_kernels import _expert_of
 
-STEP_K = 128  # K values per step: 16 int32 words per row, eight 16-deep dots
+STEP_K = MMA128_BLOCK  # K values per step: 16 int32 words per row, eight 16-deep dots
 WORDS = STEP_K // 8
 
 
 def supports(bits: int, hidden_size: int, intermediate_size: int, group_size: int) -> bool:
-    """Whether these kernels can run a stack (else fused_moe uses its other tensor-core kernels)."""
-    group_ok = group_size == -1 or group_size % STEP_K == 0
-    return bits == 4 and hidden_size % STEP_K == 0 and intermediate_size % STEP_K == 0 and group_ok
+    """Whether these kernels can run a stack (else fused_moe uses its other tensor-core kernels): exactly the
+    stacks the converter writes in mma128 order, whose rule is this kernel's K step of 128 (SPEC.md section 3)."""
+    return choose_word_order(bits, hidden_size, intermediate_size, group_size) == MMA128_ORDER
 
 
 def nibble_major(x: torch.Tensor) -> torch.Tensor:
