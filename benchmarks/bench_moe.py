@@ -4,12 +4,16 @@
 
 For each case (Qwen2-57B-A14B, Qwen1.5-MoE-A2.7B), dtype (fp16, bf16) and token count M it prints and
 writes (``DIR/bench_moe.json`` and ``DIR/bench_moe.md``, DIR defaults to $OUT or benchmarks/):
-ours (routed: router logits -> route + align + fused_moe -> output), ours with the shared expert as extra
-always-on chunks (second fused_moe call), the bytes floor (touched int4 weights + scales + activations
-over the device copy bandwidth measured in this run), a cuBLAS fp16 baseline (per-expert torch matmuls
-on dequantized weights, graph-captured, routing precomputed), and the anchors of ../shared/docs/anchors.md.
-Every timing is a CUDA-graph replay over several weight copies (so L2, 60 MB on H200, never holds the
-weights), median of many replays. Needs only torch + triton and the repo on PYTHONPATH.
+ours (routed: router logits -> route + align + fused_moe -> output); the whole block with the shared expert
+as C always-on chunks in both of MoeBlock's shared modes, "joined" (one fused_moe call over the E + C experts)
+and "separate" (a second fused_moe call), as MoeBlock.apply_experts runs them after routing; the bytes floor
+(touched int4 weights + scales + activations over the device copy bandwidth measured in this run), a cuBLAS
+fp16 baseline (per-expert torch matmuls on dequantized weights, graph-captured, routing precomputed), and the
+anchors of ../shared/docs/anchors.md. Each weight copy is one [E + C] allocation per tensor whose first E
+experts are the routed stack and last C the shared chunks, both views, as the loader yields a joined layer.
+Both modes are checked against a float32 reference first. Every timing is a CUDA-graph replay over several
+weight copies (so L2, 60 MB on H200, never holds the weights), median of many replays. Needs only torch +
+triton and the repo on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from repack.formats.repack_v1 import from_word_order
+from repack.runtime.moe_block import JOINED, SEPARATE, MoeBlock
+from repack.runtime.router_reference import SOFTMAX_TOPK, RouterSpec
 from repack.runtime.tune import random_stack, time_graph
+from repack.runtime.weights import TENSOR_FIELDS, MoeWeights
 
+TIMED_MODES = (JOINED, SEPARATE)  # the block's two shared-expert strategies, timed side by side
 L2_BYTES = 60 * 2**20
 M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 M_QUICK = (1, 4, 16, 64, 256, 1024, 4096)
@@ -100,6 +108,32 @@ def rotation(bytes_per_call: float, limit: int = 16) -> int:
     return max(2, min(limit, math.ceil(4 * L2_BYTES / max(bytes_per_call, 1))))
 
 
+def reference_moe(case: Case, x: torch.Tensor, stack, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 [m, H]: the sum over j of w[t, j] * (expert ids[t, j] of ``stack``)(x[t]), dequantized weights."""
+    used = sorted(set(ids.flatten().tolist()))
+    w13, w2 = dequantize_experts(stack, used, torch.float32)
+    pos = {e: i for i, e in enumerate(used)}
+    ref = torch.zeros(x.shape[0], case.hidden, device=x.device)
+    xf = x.float()
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = pos[int(ids[t, j])]
+            h = w13[e] @ xf[t]
+            act = torch.nn.functional.silu(h[: case.inter]) * h[case.inter :]
+            ref[t] += w[t, j] * (w2[e] @ act)
+    return ref
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error; inf when ``out`` holds a NaN or an infinity."""
+    return float((out.float() - ref).norm() / ref.norm()) if torch.isfinite(out).all() else float("inf")
+
+
+def random_inputs(case: Case, dtype, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activations [m, H], router logits [m, E])."""
+    return torch.randn(m, case.hidden, device=device).to(dtype), torch.randn(m, case.experts, device=device)
+
+
 def check_case(case: Case, dtype, stack, config: dict | None = None) -> float:
     """Worst relative error of route+fused_moe vs a float32 reference over CHECK_M (random weights)."""
     from repack.runtime.fused_moe import fused_moe
@@ -107,40 +141,71 @@ def check_case(case: Case, dtype, stack, config: dict | None = None) -> float:
 
     worst = 0.0
     for m in CHECK_M:
-        x = torch.randn(m, case.hidden, device="cuda").to(dtype)
-        logits = torch.randn(m, case.experts, device="cuda")
+        x, logits = random_inputs(case, dtype, m, "cuda")
         w, ids = route(logits, case.top_k, case.renormalize)
         out = torch.full((m, case.hidden), float("nan"), dtype=dtype, device="cuda")
         fused_moe(x, stack, ids, w, out=out, config=config)
-        used = sorted(set(ids.flatten().tolist()))
-        w13, w2 = dequantize_experts(stack, used, torch.float32)
-        pos = {e: i for i, e in enumerate(used)}
-        ref = torch.zeros(m, case.hidden, device="cuda")
-        xf = x.float()
-        for t in range(m):
-            for j in range(case.top_k):
-                e = pos[int(ids[t, j])]
-                h = w13[e] @ xf[t]
-                act = torch.nn.functional.silu(h[: case.inter]) * h[case.inter :]
-                ref[t] += w[t, j] * (w2[e] @ act)
-        worst = max(worst, float((out.float() - ref).norm() / ref.norm()))
-        if not torch.isfinite(out).all():
-            worst = float("inf")
+        worst = max(worst, rel_err(out, reference_moe(case, x, stack, ids, w)))
     return worst
+
+
+def check_block(case: Case, dtype, blocks: dict[str, MoeBlock], ms=CHECK_M) -> dict[str, float]:
+    """Worst relative error of each mode's block (after routing) vs a float32 reference of routed experts plus
+    gated shared chunks, built without MoeBlock's own id and weight construction."""
+    from repack.runtime.routing import route
+
+    joined = blocks[JOINED]
+    device = joined.routed.w13_qweight.device
+    worst = dict.fromkeys(blocks, 0.0)
+    for m in ms:
+        x, logits = random_inputs(case, dtype, m, device)
+        w, ids = route(logits, case.top_k, case.renormalize)
+        gate = torch.sigmoid(x.float() @ joined.shared_gate_weight.float().t()).expand(m, case.shared_chunks)
+        chunks = torch.arange(case.shared_chunks, device=device).expand(m, -1)
+        ref = reference_moe(case, x, joined.routed, ids, w) + reference_moe(case, x, joined.shared, chunks, gate)
+        for mode, block in blocks.items():
+            worst[mode] = max(worst[mode], rel_err(block.apply_experts(x, w, ids), ref))
+    return worst
+
+
+def expert_range(stack: MoeWeights, start: int, stop: int | None) -> MoeWeights:
+    """Experts ``start:stop`` of ``stack`` as views."""
+    views = {kind: getattr(stack, kind)[start:stop] for kind in TENSOR_FIELDS if getattr(stack, kind) is not None}
+    return replace(stack, **views)
+
+
+def make_blocks(case: Case, stack: MoeWeights, gate_weight: torch.Tensor) -> dict[str, MoeBlock]:
+    """One MoeBlock per shared mode over one [E + C] allocation: routed experts first, the shared chunks last."""
+    routed, shared = expert_range(stack, 0, case.experts), expert_range(stack, case.experts, None)
+    router = torch.zeros(case.experts, case.hidden, dtype=torch.float16, device=gate_weight.device)  # unused
+    spec = RouterSpec(SOFTMAX_TOPK, case.top_k, case.renormalize)
+    blocks = {
+        mode: MoeBlock(routed, router, spec, shared=shared, shared_gate_weight=gate_weight, shared_mode=mode)
+        for mode in TIMED_MODES
+    }
+    if blocks[JOINED].joined is None or blocks[SEPARATE].joined is not None:
+        raise RuntimeError("bench_moe: views of one allocation must join, and the separate mode must not")
+    return blocks
 
 
 def bench_case(case: Case, dtype, ms, bandwidth: float) -> list[dict]:
     """Check once, then time every M of one (case, dtype)."""
     expert_bytes = 3 * case.hidden * case.inter / 2 + 3 * case.hidden * case.inter / 128 * 2
     copies = rotation(expert_bytes * min(case.top_k, case.experts))
-    stacks = random_stack(case.experts, case.hidden, case.inter, copies)
-    shared = random_stack(case.shared_chunks, case.hidden, case.inter, copies)
-    err = check_case(case, dtype, stacks[0])
-    log(f"  check {case.name} {dtype}: max rel err {err:.2e} over M={CHECK_M}, {copies} weight copies")
-    fp16_weights = [dequantize_all(s, case.experts, dtype) for s in stacks[:2]]
-    rows = [bench_m(case, dtype, m, stacks, shared, fp16_weights, bandwidth) for m in ms]
+    gate_weight = (torch.randn(1, case.hidden, device="cuda") * 0.05).half()
+    stacks = random_stack(case.experts + case.shared_chunks, case.hidden, case.inter, copies)
+    blocks = [make_blocks(case, stack, gate_weight) for stack in stacks]
+    err = check_case(case, dtype, blocks[0][JOINED].routed)
+    block_err = check_block(case, dtype, blocks[0])
+    log(
+        f"  check {case.name} {dtype}: max rel err {err:.2e} routed, {block_err[JOINED]:.2e} block joined, "
+        f"{block_err[SEPARATE]:.2e} block separate over M={CHECK_M}, {copies} weight copies"
+    )
+    fp16_weights = [dequantize_all(b[JOINED].routed, case.experts, dtype) for b in blocks[:2]]
+    rows = [bench_m(case, dtype, m, blocks, fp16_weights, bandwidth) for m in ms]
     for row in rows:
-        row["check_rel_err"] = err
+        row.update(check_rel_err=err, check_block_joined_rel_err=block_err[JOINED])
+        row["check_block_separate_rel_err"] = block_err[SEPARATE]
     torch.cuda.empty_cache()
     return rows
 
@@ -151,29 +216,26 @@ def dequantize_all(stack, experts: int, dtype) -> tuple[torch.Tensor, torch.Tens
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def bench_m(case: Case, dtype, m: int, stacks, shared, fp16_weights, bandwidth: float) -> dict:
-    """Time routed experts, the whole block and the cuBLAS baseline at one token count."""
+def bench_m(case: Case, dtype, m: int, blocks: list[dict[str, MoeBlock]], fp16_weights, bandwidth: float) -> dict:
+    """Time routed experts, the whole block in each shared mode and the cuBLAS baseline at one token count."""
     from repack.runtime.fused_moe import fused_moe
     from repack.runtime.routing import route
 
-    x = torch.randn(m, case.hidden, device="cuda").to(dtype)
-    logits = torch.randn(m, case.experts, device="cuda")
-    gate_vec = torch.randn(case.hidden, 1, device="cuda").to(dtype) * 0.05
-    shared_ids = torch.arange(case.shared_chunks, dtype=torch.int32, device="cuda").expand(m, -1).contiguous()
-    routed_out, shared_out = (torch.empty(m, case.hidden, dtype=dtype, device="cuda") for _ in range(2))
+    x, logits = random_inputs(case, dtype, m, "cuda")
+    routed_out, cublas_out = (torch.empty(m, case.hidden, dtype=dtype, device="cuda") for _ in range(2))
 
     def routed():
-        for s in stacks:
+        for b in blocks:
             w, ids = route(logits, case.top_k, case.renormalize)
-            fused_moe(x, s, ids, w, out=routed_out)
+            fused_moe(x, b[JOINED].routed, ids, w, out=routed_out)
 
-    def block():
-        for s, sh in zip(stacks, shared, strict=True):
-            w, ids = route(logits, case.top_k, case.renormalize)
-            fused_moe(x, s, ids, w, out=routed_out)
-            g = torch.sigmoid((x @ gate_vec).float()).expand(m, case.shared_chunks)
-            fused_moe(x, sh, shared_ids, g, out=shared_out)
-            routed_out.add_(shared_out)
+    def block(mode: str):
+        def run():
+            for b in blocks:
+                w, ids = route(logits, case.top_k, case.renormalize)
+                b[mode].apply_experts(x, w, ids)
+
+        return run
 
     ids_host = torch.topk(torch.softmax(logits, -1), case.top_k).indices.cpu()
     touched = sorted(set(ids_host.flatten().tolist()))
@@ -182,15 +244,15 @@ def bench_m(case: Case, dtype, m: int, stacks, shared, fp16_weights, bandwidth: 
 
     def cublas():
         for w13_f, w2_f in fp16_weights:
-            shared_out.zero_()
+            cublas_out.zero_()
             for e, tok, rw in zip(touched, token_lists, route_ws, strict=True):
                 h = x[tok] @ w13_f[e].T
                 act = torch.nn.functional.silu(h[:, : case.inter]) * h[:, case.inter :]
-                shared_out.index_add_(0, tok, (act @ w2_f[e].T) * rw)
+                cublas_out.index_add_(0, tok, (act @ w2_f[e].T) * rw)
 
     replays = 50 if m <= 256 else 20
-    t_routed = time_graph(routed, replays) / len(stacks)
-    t_block = time_graph(block, replays) / len(stacks)
+    t_routed = time_graph(routed, replays) / len(blocks)
+    t_block = {mode: time_graph(block(mode), replays) / len(blocks) for mode in TIMED_MODES}
     t_cublas = time_graph(cublas, replays) / len(fp16_weights)
     expert_bytes = 3 * case.hidden * case.inter / 2 + 3 * case.hidden * case.inter / 128 * 2
     floor_bytes = len(touched) * expert_bytes + 2 * m * case.hidden * 2 + m * case.experts * 4
@@ -201,7 +263,8 @@ def bench_m(case: Case, dtype, m: int, stacks, shared, fp16_weights, bandwidth: 
         dtype=str(dtype).removeprefix("torch."),
         M=m,
         ours_us=t_routed,
-        block_us=t_block,
+        block_joined_us=t_block[JOINED],
+        block_separate_us=t_block[SEPARATE],
         floor_us=floor,
         cublas_fp16_us=t_cublas,
         ours_over_floor=t_routed / floor,
@@ -211,8 +274,9 @@ def bench_m(case: Case, dtype, m: int, stacks, shared, fp16_weights, bandwidth: 
     )
     marlin = f"{anchors['marlin']:.1f}" if anchors["marlin"] else "-"
     log(
-        f"  {case.name:12s} {row['dtype']:8s} M={m:5d} ours {t_routed:9.1f} block {t_block:9.1f} "
-        f"floor {floor:8.1f} ({t_routed / floor:4.2f}x) cublas {t_cublas:9.1f} marlin {marlin}"
+        f"  {case.name:12s} {row['dtype']:8s} M={m:5d} ours {t_routed:9.1f} block joined {t_block[JOINED]:9.1f} "
+        f"separate {t_block[SEPARATE]:9.1f} floor {floor:8.1f} ({t_routed / floor:4.2f}x) cublas {t_cublas:9.1f} "
+        f"marlin {marlin}"
     )
     return row
 
@@ -223,16 +287,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"Command: `{meta['command']}`; copy bandwidth {meta['copy_bw_GBs']:.0f} GB/s. Microseconds.",
         "",
-        "| case | dtype | M | ours | block+shared | floor | ours/floor | cuBLAS fp16 | Marlin | ours/Marlin "
-        "| fp16 Triton | ours/fp16T |",
-        "|" + "---|" * 12,
+        "| case | dtype | M | ours | block joined | block separate | floor | ours/floor | cuBLAS fp16 | Marlin "
+        "| ours/Marlin | fp16 Triton | ours/fp16T |",
+        "|" + "---|" * 13,
     ]
     fmt = lambda a: f"{a:.1f}" if a else "-"  # noqa: E731
     for r in rows:
         ratio = f"{r['ours_us'] / r['marlin_us']:.2f}" if r["marlin_us"] else "-"
         ratio_t = f"{r['ours_us'] / r['fp16_triton_us']:.2f}" if r["fp16_triton_us"] else "-"
         lines.append(
-            f"| {r['case']} | {r['dtype']} | {r['M']} | {r['ours_us']:.1f} | {r['block_us']:.1f} | "
+            f"| {r['case']} | {r['dtype']} | {r['M']} | {r['ours_us']:.1f} | {r['block_joined_us']:.1f} | "
+            f"{r['block_separate_us']:.1f} | "
             f"{r['floor_us']:.1f} | {r['ours_over_floor']:.2f} | {r['cublas_fp16_us']:.1f} | "
             f"{fmt(r['marlin_us'])} | {ratio} | {fmt(r['fp16_triton_us'])} | "
             f"{ratio_t} |"

@@ -421,6 +421,9 @@ class PlannedTensor:
     name: str
     dtype: str  # safetensors code
     shape: tuple[int, ...]
+    # The tensor this one must follow immediately, in the same file (a joined shared stack tensor follows the
+    # routed one of the same name, formats/SPEC.md section 5); it must be the previous tensor of the plan.
+    follows: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -443,19 +446,41 @@ class ShardLayout:
 
 
 def plan_shards(tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> list[ShardLayout]:
-    """Fill shards in order up to ``max_shard_bytes`` of data (a bigger tensor gets a shard of its own)."""
+    """Fill shards in order up to ``max_shard_bytes`` of data (a bigger unit gets a shard of its own).
+
+    A unit is a tensor with the tensors that follow it (``PlannedTensor.follows``): it is never split across
+    shards, so each follower's bytes start where its predecessor's end (safetensors packs data without padding).
+    """
     if max_shard_bytes <= 0:
         raise RepackError(f"shard size must be positive, got {max_shard_bytes} bytes")
     groups: list[list[PlannedTensor]] = []
     used = 0
-    for tensor in tensors:
-        if not groups or (groups[-1] and used + tensor.nbytes > max_shard_bytes):
+    for unit in _adjacent_units(tensors):
+        nbytes = sum(tensor.nbytes for tensor in unit)
+        if not groups or (groups[-1] and used + nbytes > max_shard_bytes):
             groups.append([])
             used = 0
-        groups[-1].append(tensor)
-        used += tensor.nbytes
+        groups[-1].extend(unit)
+        used += nbytes
     count = len(groups)
     return [ShardLayout(f"model-{i:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups, 1)]
+
+
+def _adjacent_units(tensors: Iterable[PlannedTensor]) -> list[list[PlannedTensor]]:
+    """The tensors in order, grouped so that each tensor that ``follows`` another shares its predecessor's unit."""
+    units: list[list[PlannedTensor]] = []
+    for tensor in tensors:
+        if tensor.follows is None:
+            units.append([tensor])
+        elif units and units[-1][-1].name == tensor.follows:
+            units[-1].append(tensor)
+        else:
+            previous = units[-1][-1].name if units else "nothing"
+            raise RepackError(
+                f"output tensor {tensor.name} must follow {tensor.follows} but comes after {previous}; this is a "
+                "converter bug, please report it"
+            )
+    return units
 
 
 @dataclass

@@ -134,6 +134,23 @@ class StackInfo:
         return cls(**data)
 
 
+def joinable(routed: StackInfo, shared: StackInfo) -> bool:
+    """Whether ``shared``'s experts can extend ``routed``'s into one stack of E + C experts (SPEC.md section 5).
+
+    True when the kernels would read both stacks the same way: same bits, group size and word order, and every
+    tensor present in one is present in the other (same zeros, same act-order perms) with the same per-expert
+    shape and dtype (so the same H and I). The converter then writes each shared tensor right after the routed
+    one of the same name, and the runtime may view the pair as one tensor."""
+    if (routed.bits, routed.group_size, routed.word_order) != (shared.bits, shared.group_size, shared.word_order):
+        return False
+    return _per_expert_tensors(routed) == _per_expert_tensors(shared)
+
+
+def _per_expert_tensors(info: StackInfo) -> dict[str, tuple[list[int], str]]:
+    """tensor kind (``w13_qweight``) -> (shape of one expert's slice, dtype name)."""
+    return {name.rsplit(".", 1)[1]: (shape[1:], dtype) for name, (shape, dtype) in info.tensor_shapes().items()}
+
+
 def _fits_mma128(bits: int, hidden_size: int, intermediate_size: int) -> bool:
     """Whether "mma128" is defined for a stack: 4-bit words and both inputs (H of w13, I of w2) whole blocks."""
     return bits == 4 and hidden_size % MMA128_BLOCK == 0 and intermediate_size % MMA128_BLOCK == 0

@@ -1,9 +1,10 @@
 """Execute a :class:`~repack.plan.Plan`: stream layer by layer into a temp folder, then rename it to OUT.
 
-Memory: the small tensors (scales, zeros, g_idx) of one stack, one source expert's qweights, and the
-writer's bounded queue of pieces not yet on disk, whatever the model size. Every byte written is hashed as it is
-written; source weight files are hashed by a background thread while the conversion reads them (the
-page cache serves both), other files are hashed while they are copied. OUT appears only complete: the
+Memory: the small tensors (scales, zeros, g_idx) of one stack (of two when a layer's routed and shared stacks
+are written joined, tensor by tensor), one source expert's qweights per stack, and the writer's bounded queue
+of pieces not yet on disk, whatever the model size. Every byte written is hashed as it is written; source
+weight files are hashed by a background thread while the conversion reads them (the page cache serves both),
+other files are hashed while they are copied. OUT appears only complete: the
 output is built in ``.OUT.tmp-<pid>`` next to OUT and renamed at the end; on any error or Ctrl-C the
 temp folder is removed, and a temp folder left by a killed run is never named like OUT.
 """
@@ -42,7 +43,7 @@ from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, ShardedWrit
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero_points, write_zero_points
 from repack.formats.hashing import HASH_CHUNK, hash_file
 from repack.formats.repack_v1 import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
-from repack.plan import CopyTensor, PackStack, Plan, build_plan
+from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
 from repack.source import SourceCheckpoint, resolve_source
 
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
@@ -320,6 +321,36 @@ def stream_pack_stack(reader: CheckpointReader, step: PackStack) -> Iterator[tup
     yield from iter_pack_stack(info, experts, lambda module: reader.read(f"{module}.qweight"))
 
 
+Piece = tuple[str, torch.Tensor]  # (output tensor name, the next bytes of it)
+
+
+def stream_stack_step(reader: CheckpointReader, step: PackStack | JoinedStacks) -> Iterator[Piece]:
+    """The pieces of a stack step in plan order: one stack's stream as is, or two joined stacks' interleaved."""
+    if isinstance(step, PackStack):
+        return stream_pack_stack(reader, step)
+    streams = {stack.info.prefix: stream_pack_stack(reader, stack) for stack in step.stacks}
+    return interleave_streams(streams, [tensor.name for tensor in step.planned_tensors()])
+
+
+def interleave_streams(streams: dict[str, Iterator[Piece]], order: list[str]) -> Iterator[Piece]:
+    """Pieces of several stacks' streams (keyed by stack prefix) rearranged into ``order`` of whole tensors.
+
+    Each stream yields its own tensors in its own file order, and ``order`` keeps each stack's order, so every
+    tensor is drained from its stack's stream up to the first piece of that stack's next tensor, which waits:
+    one piece per stream is held back, never a whole tensor (the converter's memory stays bounded). The writer
+    checks that every tensor arrives complete and in plan order.
+    """
+    waiting: dict[str, Piece | None] = {}
+    for name in order:
+        prefix = name.rsplit(".", 1)[0]
+        stream = streams[prefix]
+        piece = waiting.pop(prefix) if prefix in waiting else next(stream, None)
+        while piece is not None and piece[0] == name:
+            yield piece
+            piece = next(stream, None)
+        waiting[prefix] = piece
+
+
 def run_pack_stack(reader: CheckpointReader, step: PackStack) -> dict:
     """One stack's output tensors, whole (the pieces of :func:`stream_pack_stack` concatenated)."""
     parts: dict[str, list[torch.Tensor]] = {}
@@ -420,7 +451,7 @@ class Converter:
                     time.sleep(delay)
             progress.update(task, description="done")
 
-    def _run_step(self, step: CopyTensor | PackStack) -> None:
+    def _run_step(self, step: Step) -> None:
         self.current = self.writer.current_file
         folder = self.plan.source.path
         if isinstance(step, CopyTensor):
@@ -430,7 +461,7 @@ class Converter:
         else:
             spans, used = source_spans(self.reader, step.sources), step.source_bytes
             read_ahead(folder, spans, self._scratch)
-            for name, piece in stream_pack_stack(self.reader, step):
+            for name, piece in stream_stack_step(self.reader, step):
                 self.writer.write(name, piece)
         self.hasher.advance(used)
         drop_from_cache(folder, spans, self.hasher)

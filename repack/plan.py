@@ -8,7 +8,7 @@ act-order), and validates every expert linear's shapes with ``check_linear``; no
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from rich.table import Table
@@ -24,6 +24,7 @@ from repack.formats.repack_v1 import (
     SHARED,
     StackInfo,
     choose_word_order,
+    joinable,
     plan_flags,
 )
 from repack.quant_config import QuantConfig, parse_quant_config
@@ -31,7 +32,6 @@ from repack.source import SourceCheckpoint
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 _OUTPUT_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.partial)?$")
-_ELEMENT_SIZE = {"int32": 4, "float16": 2, "uint8": 1}
 _SAFETENSORS_CODE = {"int32": "I32", "float16": "F16", "uint8": "U8"}
 
 
@@ -45,6 +45,9 @@ class CopyTensor:
     source_file: str
     nbytes: int
 
+    def planned_tensors(self) -> list[PlannedTensor]:
+        return [PlannedTensor(self.name, self.dtype, tuple(self.shape))]
+
 
 @dataclass
 class PackStack:
@@ -57,16 +60,54 @@ class PackStack:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for shape, dtype in self.outputs.values():
-            count = _ELEMENT_SIZE[dtype]
-            for dim in shape:
-                count *= dim
-            total += count
-        return total
+        return sum(tensor.nbytes for tensor in self.planned_tensors())
+
+    @property
+    def stacks(self) -> list[PackStack]:
+        return [self]
+
+    def planned_tensors(self) -> list[PlannedTensor]:
+        """The stack's tensors in the order the converter writes them (formats.repack_v1.iter_pack_stack's)."""
+        outputs = self.outputs.items()
+        return [PlannedTensor(name, _SAFETENSORS_CODE[dtype], tuple(shape)) for name, (shape, dtype) in outputs]
 
 
-Step = CopyTensor | PackStack
+@dataclass
+class JoinedStacks:
+    """A layer's routed and shared stacks written as pairs: each shared tensor right after the routed tensor of the
+    same name, in the same shard (formats/SPEC.md section 5).
+
+    Why: the runtime can then view each pair as one ``[E + C, ...]`` tensor and run the whole MoE block, routed
+    experts and shared chunks, in one fused_moe call without copying a byte at load. Only for stacks that
+    ``formats.repack_v1.joinable`` accepts (same scheme, tensors and per-expert shapes).
+    """
+
+    routed: PackStack
+    shared: PackStack
+
+    @property
+    def stacks(self) -> list[PackStack]:
+        return [self.routed, self.shared]
+
+    @property
+    def sources(self) -> list[str]:
+        return self.routed.sources + self.shared.sources
+
+    @property
+    def source_bytes(self) -> int:
+        return self.routed.source_bytes + self.shared.source_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.routed.nbytes + self.shared.nbytes
+
+    def planned_tensors(self) -> list[PlannedTensor]:
+        """Routed tensor, then the shared tensor of the same kind (marked to follow it), kind by kind."""
+        pairs = zip(self.routed.planned_tensors(), self.shared.planned_tensors(), strict=True)
+        return [tensor for routed, shared in pairs for tensor in (routed, replace(shared, follows=routed.name))]
+
+
+Step = CopyTensor | PackStack | JoinedStacks
 
 
 @dataclass
@@ -92,7 +133,7 @@ class Plan:
 
     @property
     def stacks(self) -> list[StackInfo]:
-        return [step.info for group in self.groups for step in group.steps if isinstance(step, PackStack)]
+        return [stack.info for group in self.groups for step in group.steps for stack in _stacks_of(step)]
 
     @property
     def output_bytes(self) -> int:
@@ -100,15 +141,7 @@ class Plan:
 
     def output_tensors(self) -> list[PlannedTensor]:
         """Every output tensor in the order the converter writes it (what the shard layout is built from)."""
-        tensors = []
-        for group in self.groups:
-            for step in group.steps:
-                if isinstance(step, CopyTensor):
-                    tensors.append(PlannedTensor(step.name, step.dtype, tuple(step.shape)))
-                    continue
-                for name, (shape, dtype) in step.outputs.items():
-                    tensors.append(PlannedTensor(name, _SAFETENSORS_CODE[dtype], tuple(shape)))
-        return tensors
+        return [tensor for group in self.groups for step in group.steps for tensor in step.planned_tensors()]
 
     def copied_file_bytes(self) -> int:
         return sum((self.source.path / name).stat().st_size for name in self.files_to_copy)
@@ -121,16 +154,11 @@ class Plan:
         tensors = 0
         for group in self.groups:
             for step in group.steps:
-                if isinstance(step, CopyTensor):
-                    table.add_row(group.label, step.name, str(list(step.shape)), step.dtype, _size(step.nbytes), "copy")
-                    tensors += 1
-                    continue
-                origin = _describe_sources(step)
-                for name, (shape, dtype) in step.outputs.items():
-                    count = _ELEMENT_SIZE[dtype]
-                    for dim in shape:
-                        count *= dim
-                    table.add_row(group.label, name, str(shape), dtype, _size(count), origin)
+                rows = _rows(step)
+                for tensor in step.planned_tensors():
+                    dtype, origin = rows[tensor.name]
+                    shape, size = str(list(tensor.shape)), _size(tensor.nbytes)
+                    table.add_row(group.label, tensor.name, shape, dtype, size, origin)
                     tensors += 1
         for name in self.files_to_copy:
             table.add_row("file", name, "", "", _size((self.source.path / name).stat().st_size), "copy")
@@ -151,6 +179,24 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _stacks_of(step: Step) -> list[PackStack]:
+    return [] if isinstance(step, CopyTensor) else step.stacks
+
+
+def _rows(step: Step) -> dict[str, tuple[str, str]]:
+    """output tensor name -> (dtype, where it comes from), as the dry-run table prints them."""
+    if isinstance(step, CopyTensor):
+        return {step.name: (step.dtype, "copy")}
+    rows = {
+        name: (dtype, _describe_sources(stack)) for stack in step.stacks for name, (_, dtype) in stack.outputs.items()
+    }
+    for tensor in step.planned_tensors():
+        if tensor.follows is not None:
+            dtype, origin = rows[tensor.name]
+            rows[tensor.name] = (dtype, f"{origin}; stored right after {'.'.join(tensor.follows.split('.')[-2:])}")
+    return rows
+
+
 def _describe_sources(step: PackStack) -> str:
     modules = step.info.source_modules
     first, last = modules[0][0], modules[-1][-1]
@@ -164,7 +210,7 @@ def build_plan(source: SourceCheckpoint, reader: CheckpointReader) -> Plan:
     quant = parse_quant_config(source.quantization_config, where)
     family = detect_family(source.config, str(source.path / CONFIG_FILE))
     layers = find_moe_layers(family, source.config, reader.names(), str(source.path))
-    stacks_by_layer: dict[int, list[PackStack]] = {}
+    stacks_by_layer: dict[int, list[PackStack | JoinedStacks]] = {}
     consumed: set[str] = set()
     for layer in layers:
         stacks_by_layer[layer.layer] = _layer_stacks(layer, quant, reader)
@@ -189,7 +235,7 @@ def build_plan(source: SourceCheckpoint, reader: CheckpointReader) -> Plan:
         groups[label].steps.extend(stacks)
     for group in groups.values():
         copies = sorted((s for s in group.steps if isinstance(s, CopyTensor)), key=lambda s: s.name)
-        group.steps = copies + [s for s in group.steps if isinstance(s, PackStack)]
+        group.steps = copies + [s for s in group.steps if not isinstance(s, CopyTensor)]
     skip = {*reader.files, INDEX_FILE, CONFIG_FILE, MANIFEST_FILE}
     # Stray weight files the index does not name would collide with (or pass for) our output shards.
     skip |= {f for f in source.files if _OUTPUT_WEIGHT_FILE.match(f)}
@@ -299,18 +345,20 @@ def shared_chunks(shared_inter: int, routed_inter: int, group_size: int) -> int:
     return shared_inter // routed_inter
 
 
-def _layer_stacks(layer: MoeLayer, quant: QuantConfig, reader: CheckpointReader) -> list[PackStack]:
+def _layer_stacks(layer: MoeLayer, quant: QuantConfig, reader: CheckpointReader) -> list[PackStack | JoinedStacks]:
+    """The layer's stack steps: routed, then shared; as one :class:`JoinedStacks` step when they are joinable."""
     routed = _stack(reader, quant, layer.routed_prefix, ROUTED, layer.routed, layer.consumed)
-    stacks = [routed]
-    if layer.shared is not None:
-        shared = _stack(reader, quant, layer.shared_prefix, SHARED, [layer.shared], layer.consumed)
-        info = shared.info
-        chunks = shared_chunks(info.intermediate_size, routed.info.intermediate_size, info.group_size)
-        if chunks > 1:
-            info.num_experts = chunks
-            info.intermediate_size //= chunks
-            # The word order depends on the stacked expert's size, which is now the chunk's.
-            info.word_order = choose_word_order(info.bits, info.hidden_size, info.intermediate_size, info.group_size)
-            shared.outputs = info.tensor_shapes()
-        stacks.append(shared)
-    return stacks
+    if layer.shared is None:
+        return [routed]
+    shared = _stack(reader, quant, layer.shared_prefix, SHARED, [layer.shared], layer.consumed)
+    info = shared.info
+    chunks = shared_chunks(info.intermediate_size, routed.info.intermediate_size, info.group_size)
+    if chunks > 1:
+        info.num_experts = chunks
+        info.intermediate_size //= chunks
+        # The word order depends on the stacked expert's size, which is now the chunk's.
+        info.word_order = choose_word_order(info.bits, info.hidden_size, info.intermediate_size, info.group_size)
+        shared.outputs = info.tensor_shapes()
+    if joinable(routed.info, shared.info):
+        return [JoinedStacks(routed, shared)]
+    return [routed, shared]

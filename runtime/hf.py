@@ -294,17 +294,20 @@ def load_hf_model(
     path: str | os.PathLike,
     device: str | torch.device = "cuda",
     dtype: torch.dtype = torch.float16,
+    *,
+    shared_mode: str | None = None,
 ) -> nn.Module:
     """A transformers ``*ForCausalLM`` for a converted checkpoint, running on the repack kernels.
 
     ``generate`` and ``forward`` work as for any transformers model. The int4 weights stay int4 on
     ``device`` (loaded once by :func:`repack.runtime.load`, exactly as stored); only the float tensors of
     the file are cast to ``dtype`` (float16 or bfloat16). ``device='cpu'`` runs the Triton interpreter
-    (tests only; slow).
+    (tests only; slow). ``shared_mode`` is how the MoE blocks run a stacked shared expert (see
+    :func:`repack.runtime.load`; None takes ``runtime.moe_block.DEFAULT_SHARED_MODE``).
     """
     device = torch.device(device)
     check_kernel_backend(device)
-    ckpt = load(path, device, dtype)
+    ckpt = load(path, device, dtype, shared_mode=shared_mode)
     model = build_skeleton(hf_config(ckpt), dtype)
     consumed = install_moe_blocks(model, ckpt)
     consumed |= install_gptq_linears(model, ckpt, consumed)

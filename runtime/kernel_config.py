@@ -58,7 +58,10 @@ def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     num_pairs = num_tokens * top_k
     per_expert = num_pairs / max(1, num_experts)
     if direct_mode(num_pairs, num_experts):
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, DIRECT=True)
+        # Few pairs leave most of the GPU idle: slices of K give it programs (H200 probe, KERNEL_NOTES.md item 10).
+        split = 4 if num_pairs <= 8 else 2 if num_pairs <= 16 else 1
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, DIRECT=True,
+                    SPLIT_K=split)  # fmt: skip
     if per_expert <= 8:
         tile = dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1)
     elif per_expert <= 24:
@@ -105,13 +108,22 @@ INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_w
 
 
 def get_config(weights, num_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tuned config of the nearest M for this device and shape, else the heuristic's (the interpreter's on CPU)."""
+    """Tuned config of the nearest M for this device and shape, else the heuristic's (the interpreter's on CPU).
+
+    A routed stack joined with its shared chunks (``weights.routed_experts`` set) uses the routed stack's table:
+    tables are tuned per routed shape. Its ``top_k`` counts the shared chunks too, so a token brings more pairs
+    than the table's entries were tuned for; the choice between decode (DIRECT) and tensor-core entries is then
+    made by :func:`direct_mode` on the joined pairs, and the nearest M among the entries of that kind is used.
+    """
     del dtype  # one table serves fp16 and bf16 (same bytes and tiles)
-    table = load_configs(weights.num_experts, weights.intermediate_size, device_name(device))
+    table = load_configs(weights.config_experts, weights.intermediate_size, device_name(device))
     if not table:
         if torch.device(device).type == "cpu":
             return dict(INTERPRETER_CONFIG)
         return heuristic_config(num_tokens, top_k, weights.num_experts)
+    if weights.config_experts != weights.num_experts:
+        direct = direct_mode(num_tokens * top_k, weights.num_experts)
+        table = {m: cfg for m, cfg in table.items() if bool(cfg.get("DIRECT")) == direct} or table
     nearest = min(table, key=lambda m: abs(m - num_tokens))
     return dict(table[nearest])
 

@@ -15,17 +15,14 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from repack.errors import RepackError
 from repack.formats.checkpoint import CheckpointReader, read_repack_config, read_safetensors_header
 from repack.formats.repack_v1 import ROUTED, SHARED, StackInfo
-from repack.runtime.weights import MoeWeights
-
-if TYPE_CHECKING:
-    from repack.runtime.moe_block import MoeBlock
+from repack.runtime.moe_block import MoeBlock, resolve_shared_mode
+from repack.runtime.weights import MoeWeights, join_adjacent
 
 STAGING_CHUNK_BYTES = 256 << 20  # per pinned staging buffer; two of them alternate
 
@@ -181,7 +178,8 @@ class RepackCheckpoint:
     tensors: dict[str, torch.Tensor]
     device: torch.device
     dtype: torch.dtype  # activation dtype the MoE blocks are built for
-    _blocks: dict[int, MoeBlock] = field(default_factory=dict, repr=False)
+    shared_mode: str | None = None  # how moe_block runs a shared expert (MoeBlock's shared_mode; None: the default)
+    _blocks: dict[tuple[int, str], MoeBlock] = field(default_factory=dict, repr=False)
 
     @property
     def text_config(self) -> dict:
@@ -214,17 +212,31 @@ class RepackCheckpoint:
             raise RepackError(f"{self.path}: tensor {missing[0]} is missing from the shards; re-run `repack convert`")
         return MoeWeights.from_tensors(info, self.tensors)
 
-    def moe_block(self, layer: int) -> MoeBlock:
-        """The whole sparse-MoE block of decoder layer ``layer`` as a torch module (built once, cached)."""
-        if layer not in self._blocks:
+    def joined_moe_weights(self, layer: int) -> MoeWeights | None:
+        """The layer's routed experts and shared chunks as one stack of E + C experts, or None.
+
+        Views of the loaded shards (``runtime.weights.join_adjacent``): available when the converter wrote each
+        shared tensor right after its routed twin (formats/SPEC.md section 5) and the load kept them in one
+        buffer; None for a layer without a stacked shared expert, older checkpoints and stacks it could not join.
+        Run it with ``fused_moe`` and ids ``[top-k routed ids, E .. E + C - 1]`` per token.
+        """
+        routed, shared = self.moe_weights(layer, ROUTED), self.moe_weights(layer, SHARED)
+        if routed is None or shared is None:
+            return None
+        return join_adjacent(routed, shared)
+
+    def moe_block(self, layer: int, shared_mode: str | None = None) -> MoeBlock:
+        """The whole sparse-MoE block of decoder layer ``layer`` as a torch module (built once per mode, cached).
+
+        ``shared_mode`` overrides the checkpoint's (``load(..., shared_mode=)``) for this block."""
+        mode = resolve_shared_mode(shared_mode if shared_mode is not None else self.shared_mode)
+        if (layer, mode) not in self._blocks:
             if self.stack_info(layer, ROUTED) is None:
                 raise RepackError(
                     f"{self.path}: layer {layer} has no sparse-MoE block; MoE layers are {self.moe_layers}"
                 )
-            from repack.runtime.moe_block import MoeBlock
-
-            self._blocks[layer] = MoeBlock.from_checkpoint(self, layer)
-        return self._blocks[layer]
+            self._blocks[(layer, mode)] = MoeBlock.from_checkpoint(self, layer, shared_mode=mode)
+        return self._blocks[(layer, mode)]
 
 
 def load(
@@ -233,11 +245,15 @@ def load(
     dtype: torch.dtype = torch.float16,
     *,
     chunk_bytes: int = STAGING_CHUNK_BYTES,
+    shared_mode: str | None = None,
 ) -> RepackCheckpoint:
     """Load a repack-moe checkpoint folder onto ``device``, every tensor exactly as stored.
 
     ``dtype`` is the activation dtype (float16 or bfloat16) of the blocks that ``moe_block`` builds; the
     stored tensors keep their own dtypes. ``chunk_bytes`` is the size of each pinned staging buffer (GPU).
+    ``shared_mode`` is how those blocks run a stacked shared expert: "joined" (one fused_moe call with the
+    routed experts, where the files allow it) or "separate" (a second call); None takes
+    ``runtime.moe_block.DEFAULT_SHARED_MODE``.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -249,9 +265,10 @@ def load(
         raise RepackError(f"load: device {device} is not supported; use 'cuda' (or 'cpu' for tests)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RepackError(f"load: device {device} requested but no CUDA GPU is available; pass device='cpu'")
+    shared_mode = resolve_shared_mode(shared_mode)  # a wrong mode fails here, not at the first block
     config, stacks = read_repack_config(folder)
     tensors = load_tensors(folder, device, chunk_bytes)
-    return RepackCheckpoint(folder, config, stacks, tensors, device, dtype)
+    return RepackCheckpoint(folder, config, stacks, tensors, device, dtype, shared_mode)
 
 
 __all__ = ["RepackCheckpoint", "load", "SHARED", "ROUTED"]

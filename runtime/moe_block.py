@@ -5,6 +5,14 @@ this one. It runs the router (``mlp.gate``), the routed experts through ``fused_
 expert, which the converter stored as a stack of C always-selected chunks, through ``fused_moe`` too:
 Qwen2-MoE scales it by ``sigmoid(shared_expert_gate(x))``, DeepSeek adds it as is, Qwen3-MoE and Mixtral
 have none.
+
+Shared modes. "joined": one fused_moe call over the routed stack extended by the shared chunks (experts E ..
+E + C - 1 of a view the converter's file layout allows, runtime.weights.join_adjacent), each token taking its
+top-k plus the C chunks; where no such view exists the block runs "separate": a routed call, then a shared call.
+"auto" (the default) joins while a call has at most JOINED_MAX_TOKENS tokens and runs separate above: on an
+H200 (benchmarks/RESULTS.md, third session) one launch wins at decode and small batches (fp16: Qwen2-57B M=2..32
+5-19% faster, Qwen1.5-MoE M=1..64 3-26%), two launches win at prefill (Qwen2-57B from M=64: 7-16% at fp16, up to
+31% at bf16; the joined call's tiles are tuned for the routed experts' rows, not for chunks every token takes).
 """
 
 from __future__ import annotations
@@ -18,12 +26,26 @@ from torch import nn
 from repack.errors import RepackError
 from repack.formats.repack_v1 import ROUTED, SHARED
 from repack.runtime.router_reference import DEEPSEEK_V3, SOFTMAX_TOPK, RouterSpec, route_reference, router_spec
-from repack.runtime.weights import MoeWeights
+from repack.runtime.weights import MoeWeights, join_adjacent
 
 if TYPE_CHECKING:
     from repack.runtime.loader import RepackCheckpoint
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+JOINED = "joined"  # one fused_moe call: routed experts and shared chunks as one stack (falls back to SEPARATE)
+SEPARATE = "separate"  # a fused_moe call for the routed experts, another for the shared chunks
+AUTO = "auto"  # JOINED for calls of at most JOINED_MAX_TOKENS tokens, SEPARATE above
+SHARED_MODES = (AUTO, JOINED, SEPARATE)
+DEFAULT_SHARED_MODE = AUTO  # what every entry point (load, load_hf_model, MoeBlock) takes when given none
+JOINED_MAX_TOKENS = 32  # H200 crossover: Qwen2-57B between 32 and 64 tokens, Qwen1.5-MoE between 256 and 1024
+
+
+def resolve_shared_mode(mode: str | None) -> str:
+    """``mode``, or DEFAULT_SHARED_MODE for None; anything else is a one-line error."""
+    mode = DEFAULT_SHARED_MODE if mode is None else mode
+    if mode not in SHARED_MODES:
+        raise RepackError(f"shared_mode {mode!r} is not one of {', '.join(map(repr, SHARED_MODES))}")
+    return mode
 
 
 def block_prefix(routed_prefix: str) -> str:
@@ -44,6 +66,7 @@ class MoeBlock(nn.Module):
         shared_gate_weight: torch.Tensor | None = None,
         correction_bias: torch.Tensor | None = None,
         name: str = "moe block",
+        shared_mode: str | None = None,
     ) -> None:
         super().__init__()
         if router_weight.shape != (routed.num_experts, routed.hidden_size):
@@ -58,11 +81,17 @@ class MoeBlock(nn.Module):
         self.router_weight = router_weight
         self.shared_gate_weight = shared_gate_weight
         self.correction_bias = correction_bias
+        self.shared_mode = resolve_shared_mode(shared_mode)
+        # Routed experts then shared chunks as one stack (views), when asked for and the storage allows it.
+        joins = shared is not None and self.shared_mode != SEPARATE
+        self.joined = join_adjacent(routed, shared) if joins else None
         self._cast_cache: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     @classmethod
-    def from_checkpoint(cls, ckpt: RepackCheckpoint, layer: int) -> MoeBlock:
-        """Gather a layer's stacks and router tensors from a loaded checkpoint (views, nothing copied)."""
+    def from_checkpoint(cls, ckpt: RepackCheckpoint, layer: int, *, shared_mode: str | None = None) -> MoeBlock:
+        """Gather a layer's stacks and router tensors from a loaded checkpoint (views, nothing copied).
+
+        ``shared_mode`` None takes the checkpoint's (``load(..., shared_mode=)``)."""
         routed_info = ckpt.stack_info(layer, ROUTED)
         prefix = block_prefix(routed_info.prefix)
 
@@ -91,6 +120,7 @@ class MoeBlock(nn.Module):
             shared_gate_weight=tensor("shared_expert_gate.weight", required=False) if shared is not None else None,
             correction_bias=tensor("gate.e_score_correction_bias", required=spec.method == DEEPSEEK_V3),
             name=prefix,
+            shared_mode=shared_mode if shared_mode is not None else ckpt.shared_mode,
         )
 
     def _as(self, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -120,6 +150,21 @@ class MoeBlock(nn.Module):
         gate = F.linear(x, self._as("shared_gate", self.shared_gate_weight, x.dtype))
         return torch.sigmoid(gate.float()).expand(-1, chunks).contiguous()
 
+    def shared_ids(self, tokens: int, first: int, device: torch.device) -> torch.Tensor:
+        """int32 [M, C]: the shared chunks' expert ids ``first .. first + C - 1`` for every token."""
+        ids = torch.arange(first, first + self.shared.num_experts, dtype=torch.int32, device=device)
+        return ids.expand(tokens, -1).contiguous()
+
+    def with_shared_chunks(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids int32 [M, k + C], weights float32 [M, k + C]) for the joined stack: each token's top-k routed
+        experts, then the C shared chunks (experts E .. E + C - 1) with their weights.
+
+        A few small torch ops per call; a routing kernel that wrote these rows directly would save them."""
+        ids = torch.cat([topk_ids, self.shared_ids(x.shape[0], self.routed.num_experts, x.device)], dim=1)
+        return ids, torch.cat([topk_weights, self.shared_weights(x)], dim=1)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.dtype not in ACTIVATION_DTYPES:
             raise RepackError(
@@ -131,18 +176,26 @@ class MoeBlock(nn.Module):
                 f"{self.name}: input hidden size {hidden_states.shape[-1]} != the checkpoint's "
                 f"{self.routed.hidden_size}; pass [..., {self.routed.hidden_size}] activations"
             )
-        from repack.runtime.fused_moe import fused_moe
-
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()
         topk_weights, topk_ids = self.route(x)
+        return self.apply_experts(x, topk_weights, topk_ids).reshape(shape)
+
+    def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[M, H]: the routed experts' weighted sum plus the shared expert for tokens ``x`` [M, H] routed to
+        ``topk_ids``, in one fused_moe call (joined) or two (separate). What ``forward`` runs after the router;
+        benchmarks/bench_moe.py times it from precomputed routing."""
+        from repack.runtime.fused_moe import fused_moe
+
+        if self.joined is not None and (self.shared_mode == JOINED or x.shape[0] <= JOINED_MAX_TOKENS):
+            return fused_moe(x, self.joined, *self.with_shared_chunks(x, topk_ids, topk_weights))
         out = fused_moe(x, self.routed, topk_ids, topk_weights)
         if self.shared is not None:
-            chunks = self.shared.num_experts
-            ids = torch.arange(chunks, dtype=torch.int32, device=x.device).expand(x.shape[0], -1).contiguous()
-            out = out + fused_moe(x, self.shared, ids, self.shared_weights(x))
-        return out.reshape(shape)
+            out = out + fused_moe(x, self.shared, self.shared_ids(x.shape[0], 0, x.device), self.shared_weights(x))
+        return out
 
     def extra_repr(self) -> str:
-        shared = f", shared chunks={self.shared.num_experts}" if self.shared is not None else ""
+        shared = ""
+        if self.shared is not None:
+            shared = f", shared chunks={self.shared.num_experts} ({JOINED if self.joined is not None else SEPARATE})"
         return f"{self.name}: experts={self.routed.num_experts}, top_k={self.spec.top_k}, {self.spec.method}{shared}"

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from repack.formats.repack_v1 import GPTQ_ORDER, MMA128_ORDER, StackInfo
+from repack.formats.repack_v1 import GPTQ_ORDER, MMA128_ORDER, STACK_TENSORS, StackInfo
 
 
 @dataclass
 class MoeWeights:
-    """One stack of E experts in the repack-moe v1 layout (formats/SPEC.md), on one device.
+    """One stack of E experts in the repack-moe layout (formats/SPEC.md), on one device.
 
     Every field is a tensor exactly as stored in the checkpoint (or a view of one); ``None`` where the
-    format omits it (zeros for symmetric schemes, perms without act-order).
+    format omits it (zeros for symmetric schemes, perms without act-order). A routed stack joined with its
+    shared chunks (:func:`join_adjacent`) is one such stack too, with ``routed_experts`` set.
     """
 
     w13_qweight: torch.Tensor  # int32 [E, 2I, H/pack]
@@ -27,6 +28,10 @@ class MoeWeights:
     w2_zeros: torch.Tensor | None = None  # uint8 [E, G2, H]
     w13_perm: torch.Tensor | None = None  # int32 [E, H]
     word_order: str = GPTQ_ORDER  # where each input sits in the words: GPTQ_ORDER or MMA128_ORDER (SPEC.md section 3)
+    # Set on a routed stack joined with its shared chunks (join_adjacent): the routed experts come first, the
+    # shared chunks are experts routed_experts..E-1. Kernel configs are tuned per routed stack, so they are
+    # looked up by this count (runtime/kernel_config.get_config).
+    routed_experts: int | None = None
 
     @property
     def mma_order(self) -> bool:
@@ -45,9 +50,18 @@ class MoeWeights:
     def intermediate_size(self) -> int:
         return int(self.w13_qweight.shape[1]) // 2
 
+    def group_len(self, k: int) -> int:
+        """Inputs per scale row of a projection with ``k`` inputs: the group, or all of K for group size -1."""
+        return k if self.group_size == -1 else self.group_size
+
     @property
     def sym(self) -> bool:
         return self.w13_zeros is None
+
+    @property
+    def config_experts(self) -> int:
+        """The expert count the kernel config tables are keyed by: the routed stack's, also when joined."""
+        return self.routed_experts if self.routed_experts is not None else self.num_experts
 
     @classmethod
     def from_tensors(cls, info: StackInfo, tensors: dict[str, torch.Tensor]) -> MoeWeights:
@@ -65,3 +79,46 @@ class MoeWeights:
             w13_perm=get("w13_perm"),
             word_order=info.word_order,
         )
+
+
+# The stack tensors MoeWeights holds, in the format's order (w2_perm only serves the inverse: not loaded here).
+TENSOR_FIELDS = tuple(kind for kind in STACK_TENSORS if kind in {f.name for f in fields(MoeWeights)})
+
+
+def join_adjacent(routed: MoeWeights, shared: MoeWeights) -> MoeWeights | None:
+    """The routed stack extended by the shared chunks as one stack of E + C experts, or None if it cannot be a view.
+
+    Why: one fused_moe call over all E + C experts (each token takes its top-k plus the C shared chunks) replaces
+    the block's second call. Built only from views: every tensor of ``shared`` must start where the routed tensor
+    of the same kind ends in the same storage (the converter writes joinable stacks that way, formats/SPEC.md
+    section 5), and both stacks must be read alike (bits, group size, word order, which tensors exist). Anything
+    else (older checkpoints, stacks loaded into separate buffers) gives None, and the caller runs two calls;
+    nothing is ever copied.
+    """
+    if routed.routed_experts is not None or shared.routed_experts is not None:
+        return None
+    if (routed.bits, routed.group_size, routed.word_order) != (shared.bits, shared.group_size, shared.word_order):
+        return None
+    joined = {}
+    for kind in TENSOR_FIELDS:
+        first, second = getattr(routed, kind), getattr(shared, kind)
+        if first is None and second is None:
+            continue
+        view = stacked_view(first, second) if first is not None and second is not None else None
+        if view is None:
+            return None
+        joined[kind] = view
+    return replace(routed, **joined, routed_experts=routed.num_experts)
+
+
+def stacked_view(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """``[E1 + E2, ...]``: a view of two contiguous stacks that lie back to back in one storage, else None."""
+    same_kind = first.dtype == second.dtype and first.device == second.device and first.shape[1:] == second.shape[1:]
+    if not (same_kind and first.dim() > 0 and first.is_contiguous() and second.is_contiguous()):
+        return None
+    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return None
+    if second.data_ptr() != first.data_ptr() + first.nbytes:
+        return None
+    flat = first.as_strided((first.numel() + second.numel(),), (1,))  # same storage offset as ``first``
+    return flat.view(first.shape[0] + second.shape[0], *first.shape[1:])

@@ -14,7 +14,6 @@ from repack.convert import convert, parse_size
 from repack.formats.checkpoint import CheckpointReader, read_repack_config
 from repack.formats.gptq import GptqScheme
 from repack.formats.repack_v1 import INDEX_FILE, MANIFEST_FILE
-from repack.plan import PackStack
 from repack.synthetic import write_synthetic_checkpoint
 from repack.verify import verify
 from tests.fixture_paths import FIXTURES
@@ -104,10 +103,7 @@ def test_dry_run_lists_every_output_tensor_and_writes_nothing(tmp_path):
     plan = convert(str(FIXTURES[0]), tmp_path / "out", dry_run=True, console=console)
     printed = console.export_text()
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
-    outputs = []
-    for group in plan.groups:
-        for step in group.steps:
-            outputs += list(step.outputs) if isinstance(step, PackStack) else [step.name]
+    outputs = [tensor.name for tensor in plan.output_tensors()]
     assert len(outputs) == len(set(outputs)) > 0
     for name in outputs:
         assert name in printed

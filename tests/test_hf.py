@@ -119,3 +119,19 @@ def test_invalid_config_is_one_line_error(converted, tmp_path, device):
     with pytest.raises(RepackError) as error:
         load_hf_model(broken, device=device)
     assert "config.json" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("shared_mode", ["joined", "separate"])
+def test_shared_mode_reaches_every_moe_block(shared_mode, tmp_path, device):
+    """load_hf_model passes shared_mode to the runtime blocks; a joinable checkpoint joins in "joined" mode only."""
+    from repack.formats.gptq import GptqScheme
+    from repack.synthetic import write_synthetic_checkpoint
+
+    source = write_synthetic_checkpoint(
+        tmp_path / "src", family="qwen2_moe", scheme=GptqScheme(4, 32, True, "gptq"), shared_intermediate_size=128
+    )
+    convert(str(source), tmp_path / "out", quiet=True)
+    model = load_hf_model(tmp_path / "out", device=device, shared_mode=shared_mode)
+    blocks = [layer.mlp.moe for layer in model.model.layers]
+    assert blocks and all(block.shared_mode == shared_mode for block in blocks)
+    assert all((block.joined is not None) == (shared_mode == "joined") for block in blocks)

@@ -14,8 +14,10 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from repack.errors import RepackError
-from repack.formats.repack_v1 import INDEX_FILE
+from repack.formats.gptq import GptqScheme
+from repack.formats.repack_v1 import INDEX_FILE, joinable
 from repack.runtime import load
+from repack.synthetic import write_synthetic_checkpoint
 from tests.fixture_paths import FIXTURES_DIR
 from tests.test_fixture_agreement import convert_fixture
 
@@ -44,11 +46,18 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    """The act-order Qwen2-MoE fixture converted into several small shards (sharded path + index)."""
-    out = tmp_path_factory.mktemp("sharded") / "out"
-    return convert_fixture(FIXTURES_DIR / "qwen2moe-g32-actorder", out, shard_size=1 << 20)
+@pytest.fixture(scope="module", params=["qwen2moe-g32-actorder", "synthetic-joined"])
+def sharded(request, tmp_path_factory) -> Path:
+    """A checkpoint converted into several small shards (sharded path + index): the act-order Qwen2-MoE fixture,
+    and a synthetic Qwen2-MoE whose shared chunks the converter joins to the routed stacks (SPEC section 5)."""
+    folder = tmp_path_factory.mktemp("sharded")
+    if request.param != "synthetic-joined":
+        return convert_fixture(FIXTURES_DIR / request.param, folder / "out", shard_size=1 << 20)
+    source = write_synthetic_checkpoint(
+        folder / "src", family="qwen2_moe", scheme=GptqScheme(4, 32, True, "gptq"), act_order=True, num_experts=8,
+        intermediate_size=64, shared_intermediate_size=128,
+    )  # fmt: skip
+    return convert_fixture(source, folder / "out", shard_size=40_000)
 
 
 def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -71,6 +80,10 @@ def test_bytes_on_device_equal_file_bytes(sharded):
             assert torch.equal(actual.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), name
             storages.add(actual.untyped_storage().data_ptr())
         assert len(storages) == 1, "every tensor of a shard must be a view of the shard's one buffer"
+    for layer in ckpt.moe_layers:  # a joinable layer's stacks stay one view after the byte-exact load
+        routed, shared = ckpt.stack_info(layer, "routed"), ckpt.stack_info(layer, "shared")
+        expected = shared is not None and joinable(routed, shared)
+        assert (ckpt.joined_moe_weights(layer) is not None) == expected, layer
 
 
 def test_load_performs_no_tensor_op_but_allocation_and_views(sharded):
@@ -88,6 +101,8 @@ def test_packed_stack_tensors_keep_their_format_dtypes(sharded):
     assert weights.w13_perm is not None and weights.w13_perm.dtype == torch.int32
     shared = ckpt.moe_weights(0, "shared")
     assert shared is not None and shared.hidden_size == weights.hidden_size
+    joined = ckpt.joined_moe_weights(0)  # views, so they keep the stored dtypes too
+    assert joined is None or (joined.w13_qweight.dtype == torch.int32 and joined.w13_scales.dtype == torch.float16)
 
 
 def test_checkpoint_layers_and_blocks(sharded):

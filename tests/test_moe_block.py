@@ -7,6 +7,7 @@ router + experts + shared expert in float32 torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from repack.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, dequantize
 from repack.runtime import MoeWeights, load
-from repack.runtime.moe_block import MoeBlock
+from repack.runtime.moe_block import AUTO, JOINED, SEPARATE, SHARED_MODES, MoeBlock
 from repack.runtime.router_reference import router_spec
 from repack.synthetic import write_synthetic_checkpoint
 from tests.fixture_paths import FIXTURES_DIR
@@ -164,19 +165,34 @@ def reference_block(source: Path, layer: int, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+SHARED_FAMILIES = ("qwen2_moe", "deepseek_v2", "deepseek_v3")
+
+
+def inter_sizes(intermediate: int, shared: int | None = None) -> dict[str, int]:
+    return {"intermediate_size": intermediate} | ({"shared_intermediate_size": shared} if shared else {})
+
+
 SYNTHETIC = {
-    # family: (scheme, act_order, sizes)
-    "qwen2_moe": (GptqScheme(4, 32, True, "gptq"), True, {"intermediate_size": 64, "shared_intermediate_size": 128}),
-    "qwen3_moe": (GptqScheme(4, 64, False, "gptq"), False, {"intermediate_size": 128}),
-    "mixtral": (GptqScheme(4, 128, True, "gptq_v2"), False, {"intermediate_size": 128}),
-    "deepseek_v2": (GptqScheme(4, 64, True, "gptq"), False, {"intermediate_size": 64, "shared_intermediate_size": 128}),
-    "deepseek_v3": (GptqScheme(4, 32, False, "gptq"), True, {"intermediate_size": 64, "shared_intermediate_size": 64}),
+    # case: (family, scheme, act_order, sizes). Every shared expert here is joinable with its routed stack: C = 2
+    # chunks (qwen2_moe, its mma128 variant, deepseek_v2) or one expert of the routed size (deepseek_v3, asymmetric).
+    "qwen2_moe": ("qwen2_moe", GptqScheme(4, 32, True, "gptq"), True, inter_sizes(64, 128)),
+    "qwen2_moe_mma128": ("qwen2_moe", GptqScheme(4, 128, True, "gptq"), False, inter_sizes(128, 256)),
+    "qwen3_moe": ("qwen3_moe", GptqScheme(4, 64, False, "gptq"), False, inter_sizes(128)),
+    "mixtral": ("mixtral", GptqScheme(4, 128, True, "gptq_v2"), False, inter_sizes(128)),
+    "deepseek_v2": ("deepseek_v2", GptqScheme(4, 64, True, "gptq"), False, inter_sizes(64, 128)),
+    "deepseek_v3": ("deepseek_v3", GptqScheme(4, 32, False, "gptq"), True, inter_sizes(64, 64)),
 }
+# Both shared modes where there is a shared expert; the mode does not matter for the others.
+BLOCK_CASES = [
+    (case, mode)
+    for case, (family, *_) in SYNTHETIC.items()
+    for mode in ((JOINED, SEPARATE) if family in SHARED_FAMILIES else (JOINED,))
+]
 
 
-@pytest.mark.parametrize("family", list(SYNTHETIC))
-def test_block_matches_float32_reference_from_source(family, device, tmp_path):
-    scheme, act_order, sizes = SYNTHETIC[family]
+@pytest.mark.parametrize("case,shared_mode", BLOCK_CASES, ids=[f"{c}-{m}" for c, m in BLOCK_CASES])
+def test_block_matches_float32_reference_from_source(case, shared_mode, device, tmp_path):
+    family, scheme, act_order, sizes = SYNTHETIC[case]
     source = write_synthetic_checkpoint(
         tmp_path / "src", family=family, scheme=scheme, act_order=act_order, num_layers=1, hidden_size=128,
         num_experts=8, top_k=2, seed=3, **sizes,
@@ -184,11 +200,54 @@ def test_block_matches_float32_reference_from_source(family, device, tmp_path):
     ckpt = load(convert_fixture(source, tmp_path / "out"), device=device)
     x = (torch.randn(24, 128, generator=torch.Generator().manual_seed(11))).half()
     expected = reference_block(source, 0, x.float())
-    block = ckpt.moe_block(0)
-    assert (block.shared is not None) == (family in ("qwen2_moe", "deepseek_v2", "deepseek_v3"))
+    block = ckpt.moe_block(0, shared_mode=shared_mode)
+    has_shared = family in SHARED_FAMILIES
+    assert (block.shared is not None) == has_shared
+    assert (block.joined is not None) == (has_shared and shared_mode == JOINED)  # one fused_moe call
     actual = block(x.to(device)).cpu()
     error = relative_error(actual, expected)
-    assert error <= 5e-3, f"{family}: relative error {error:.2e} vs the float32 source reference"
+    assert error <= 5e-3, f"{case} ({shared_mode}): relative error {error:.2e} vs the float32 source reference"
+    if block.joined is not None:  # the same block in two calls: only the fp16 sum of the two halves differs
+        separate = ckpt.moe_block(0, shared_mode=SEPARATE)(x.to(device)).cpu()
+        assert relative_error(actual, separate) <= 2e-3
+
+
+def test_shared_mode_defaults_and_refuses_unknown_modes(tmp_path):
+    from repack.runtime import moe_block
+
+    spec = router_spec(ROUTERS["mixtral"][0].to_dict())
+    block = MoeBlock(dummy_stack(EXPERTS, HIDDEN), torch.zeros(EXPERTS, HIDDEN), spec)
+    assert block.shared_mode == moe_block.DEFAULT_SHARED_MODE and block.shared_mode in SHARED_MODES
+    with pytest.raises(RepackError, match="shared_mode 'fused' is not one of"):
+        MoeBlock(dummy_stack(EXPERTS, HIDDEN), torch.zeros(EXPERTS, HIDDEN), spec, shared_mode="fused")
+    with pytest.raises(RepackError, match="shared_mode 'fused' is not one of"):
+        load(tmp_path, device="cpu", shared_mode="fused")
+
+
+def test_auto_mode_joins_small_calls_and_splits_large_ones(monkeypatch):
+    """AUTO: one fused_moe call over the joined stack up to JOINED_MAX_TOKENS tokens, two calls above."""
+    from repack.runtime import fused_moe as fused_moe_module
+    from repack.runtime import moe_block
+
+    chunks = 2
+    calls: list[int] = []
+
+    def fake_fused_moe(x, weights, ids, route_weights):
+        assert ids.shape == route_weights.shape and int(ids.max()) < weights.num_experts
+        calls.append(weights.num_experts)
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(fused_moe_module, "fused_moe", fake_fused_moe)
+    spec = router_spec(ROUTERS["mixtral"][0].to_dict())
+    shared = dummy_stack(chunks, HIDDEN)
+    block = MoeBlock(dummy_stack(EXPERTS, HIDDEN), torch.zeros(EXPERTS, HIDDEN), spec, shared=shared, shared_mode=AUTO)
+    block.joined = dataclasses.replace(dummy_stack(EXPERTS + chunks, HIDDEN), routed_experts=EXPERTS)  # as loaded
+    for tokens, expected in ((1, [EXPERTS + chunks]), (moe_block.JOINED_MAX_TOKENS, [EXPERTS + chunks]),
+                             (moe_block.JOINED_MAX_TOKENS + 1, [EXPERTS, chunks])):  # fmt: skip
+        calls.clear()
+        x = torch.zeros(tokens, HIDDEN, dtype=torch.float16)
+        block.apply_experts(x, torch.ones(tokens, 2), torch.zeros(tokens, 2, dtype=torch.int32))
+        assert calls == expected, f"{tokens} tokens"
 
 
 def test_block_keeps_batch_shape_and_refuses_float32(device, tmp_path):
