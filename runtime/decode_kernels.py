@@ -1,25 +1,34 @@
 """Decode kernels: the fused MoE for a few (token, expert) pairs on CUDA cores, no tensor cores.
 
 At decode every pair is its own GEMV and the whole job is streaming int4 weights at HBM speed, so the
-cost that matters is instructions per weight, and any shared-memory round trip or barrier is pure loss.
-These kernels keep each int32 word of the layout (8 consecutive K values, SPEC.md section 3) in the
-registers it was loaded into and never reshape it:
+cost that matters is instructions per weight (Nsight Compute on an H200: the first version of these kernels
+issued on 62% of all cycles with one warp per scheduler, at 1.2 TB/s), and any shared-memory round trip
+or barrier in the loop is pure loss. These kernels keep each int32 word of the layout (8 K values, SPEC.md
+section 3) in the registers it was loaded into and never reshape it:
 
-- nibble ``s < 5`` of word ``w`` is masked in place and OR-ed into the mantissa of ``2^23`` (fp32 bits
-  ``0x4B000000``): the bitcast is exactly ``2^23 + q * 16^s`` (one LOP3); nibbles 5..7 take one shared shift
+- field ``s < 5`` of word ``w`` is masked in place and OR-ed into the mantissa of ``2^23`` (fp32 bits
+  ``0x4B000000``): the bitcast is exactly ``2^23 + q * 16^s``. Mask and exponent come in as kernel
+  arguments, so the AND+OR is one LOP3 (two immediates would cost two). Fields 5..7 take one shared shift
   by 12 first, landing at positions 2..4;
-- subtracting ``2^23 + zero * 16^p`` (a per-column constant) leaves ``(q - zero) * 16^p`` exactly (one FADD);
-- the activation is pre-multiplied by ``16^-p`` once per K value, shared by every output row (one FFMA).
+- subtracting ``2^23 + zero * 16^p`` (a per-row constant) leaves ``(q - zero) * 16^p`` exactly (one FADD);
+- the activation comes pre-multiplied by ``16^-p`` and the products chain as FFMAs into a per-word
+  accumulator that is summed once per program.
 
-About 3 instructions per weight (plus the activation, loaded once per K value), all full-rate fp32/int
-ALU work, instead of shift + mask + convert + shared-memory store + ldmatrix + mma. Scales apply once per
-group to the row sums (BLOCK_K divides the group).
+Three instructions per weight. The activations are *prepared* once per call by the first of three
+launches (``_prepare_kernel``): fp32, pre-scaled, in field-major order (``[K block, field, word]``), so a
+program loads each field's activations as one contiguous vector with no index math, and w13 writes w2's
+input in the same form. That launch also zeroes the call's scratch, so split-K (slices of K per program,
+meeting in fp32 sums) and the top-k sum (fp32 atomics, the last program of a token writes the output)
+need no memset and no trailing sum or cast: prepare -> w13 -> w2 is the whole decode.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+FP32_TWO_POW_23 = 0x4B000000  # fp32 bits of 2^23: OR-ed with a field below bit 23, the float is 2^23 + field
 
 
 @triton.jit
@@ -46,61 +55,35 @@ def _field_input(k0, offs_w, s: tl.constexpr, BITS: tl.constexpr, MMA_ORDER: tl.
 
 
 @triton.jit
-def _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, s: tl.constexpr, BITS: tl.constexpr,
-             HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr):  # fmt: skip
-    """x[input of field s of each word] * 16^-pos as fp32 [WORDS] (0 past K or past the fields of a word)."""
-    VALS: tl.constexpr = 32 // BITS
-    if s >= VALS:
-        return tl.zeros(offs_w.shape, dtype=tl.float32)
-    POS, _shift = _field_pos(s, BITS)
-    k = _field_input(k0, offs_w, s, BITS, MMA_ORDER)
-    k_ok = k < K
-    if HAS_PERM:
-        cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0)
-    else:
-        cols = k
-    x = tl.load(x_ptr + x_base + cols, mask=k_ok, other=0.0).to(tl.float32)
-    return x * (1.0 / (1 << (BITS * POS)))
+def _term(acc, words, zf, xs, field_mask, magic, s: tl.constexpr, BITS: tl.constexpr):
+    """acc + (q - zero) * 16^p * x' for field ``s`` of every word: one LOP3 (+ a shift shared by fields 5..7),
+    one FADD, one FFMA.
 
-
-@triton.jit
-def _x_block(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
-             MMA_ORDER: tl.constexpr):  # fmt: skip
-    """The activations one K block multiplies, one [WORDS] vector per field (8; unused ones are 0).
-
-    Returned as separate tensors so the loop can carry them: they are loaded one block ahead, like the
-    weights, and never stall the arithmetic."""
-    return (
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 0, BITS, HAS_PERM, MMA_ORDER),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 1, BITS, HAS_PERM, MMA_ORDER),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 2, BITS, HAS_PERM, MMA_ORDER),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 3, BITS, HAS_PERM, MMA_ORDER),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 4, BITS, HAS_PERM, MMA_ORDER),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 5, BITS, HAS_PERM, MMA_ORDER),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 6, BITS, HAS_PERM, MMA_ORDER),
-        _x_field(x_ptr, x_base, k0, perm_ptr, perm_base, K, offs_w, 7, BITS, HAS_PERM, MMA_ORDER),
-    )
-
-
-@triton.jit
-def _term(words, zf, xs, s: tl.constexpr, BITS: tl.constexpr):
-    """(q - zero) * x for field ``s`` of every word: one LOP3 (+ a shared shift), one FADD, one FMUL/FFMA."""
+    ``field_mask`` and ``magic`` arrive as kernel arguments, so they sit in registers: ``(w & m) | c`` with two
+    immediates would cost ptxas two LOP3s (one immediate slot each), with registers it is one."""
     POS, SHIFT = _field_pos(s, BITS)
-    field = ((words >> SHIFT) & (((1 << BITS) - 1) << (BITS * POS))) | 0x4B000000
+    field = ((words >> SHIFT) & (field_mask << (BITS * POS))) | magic
     offset = 8388608.0 + zf * (1 << (BITS * POS))
-    return (field.to(tl.float32, bitcast=True) - offset[:, None]) * xs[None, :]
+    return acc + (field.to(tl.float32, bitcast=True) - offset[:, None]) * xs[None, :]
 
 
 @triton.jit
-def _row_dot(words, zero, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
-    """sum_k x[k] * (q[n, k] - zero[n]) over one K block: [BN] fp32 (exact products, fp32 sums)."""
+def _block_dot(acc, scale, words, zero, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS: tl.constexpr):
+    """acc + scale[n] * sum_s x_s[w] * (q[n, w, s] - zero[n]) for one K block, kept per word: [BN, WORDS] fp32.
+
+    The words stay apart until the end of the K loop (one ``tl.sum`` per program, not one per block), and the
+    field terms chain as FFMAs: about 3 instructions per weight plus one FFMA per word for the scale."""
     zf = zero.to(tl.float32)
-    acc = _term(words, zf, x0, 0, BITS) + _term(words, zf, x1, 1, BITS)
-    acc += _term(words, zf, x2, 2, BITS) + _term(words, zf, x3, 3, BITS)
+    dot = _term(tl.zeros(words.shape, tl.float32), words, zf, x0, field_mask, magic, 0, BITS)
+    dot = _term(dot, words, zf, x1, field_mask, magic, 1, BITS)
+    dot = _term(dot, words, zf, x2, field_mask, magic, 2, BITS)
+    dot = _term(dot, words, zf, x3, field_mask, magic, 3, BITS)
     if BITS == 4:
-        acc += _term(words, zf, x4, 4, BITS) + _term(words, zf, x5, 5, BITS)
-        acc += _term(words, zf, x6, 6, BITS) + _term(words, zf, x7, 7, BITS)
-    return tl.sum(acc, axis=1)
+        dot = _term(dot, words, zf, x4, field_mask, magic, 4, BITS)
+        dot = _term(dot, words, zf, x5, field_mask, magic, 5, BITS)
+        dot = _term(dot, words, zf, x6, field_mask, magic, 6, BITS)
+        dot = _term(dot, words, zf, x7, field_mask, magic, 7, BITS)
+    return acc + scale.to(tl.float32)[:, None] * dot
 
 
 @triton.jit
@@ -131,75 +114,15 @@ def _expert_of(topk_ids_ptr, pair, num_experts):
 
 
 @triton.jit
-def _w13_decode_kernel(
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr, topk_ids_ptr,
-    num_experts, N, K, group_len, stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
-    TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-):  # fmt: skip
-    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels.
-
-    Weights, scales and zeros are loaded PREFETCH (1 or 2) K blocks ahead and the activations one block
-    ahead, so the arithmetic of a block never waits on the memory it needs."""
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = _expert_of(topk_ids_ptr, pair, num_experts)
-    token = (pair // TOP_K).to(tl.int64)
-    VALS: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // VALS
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, WORDS)
-    gate_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
-    up_ptrs = gate_ptrs + N * stride_qw_n
-    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
-    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
-    x_base = token * stride_x
-    perm_base = expert * K
-    k_words = K // VALS
-    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Block 0 (and block 1 when PREFETCH == 2) before the loop; the loop loads block k0 + PREFETCH*BLOCK_K.
-    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, 0, K, k_words,
-                                                      group_len, stride_s_g, N, n_mask, offs_w, BITS, HAS_ZEROS,
-                                                      SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, BLOCK_K, K, k_words,
-                                                      group_len, stride_s_g, N, n_mask, offs_w, BITS, HAS_ZEROS,
-                                                      SYM_ZERO, EVEN_K, BLOCK_N,
-                                                      BLOCK_K)  # fmt: skip
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(
-        x_ptr, x_base, 0, perm_ptr, perm_base, K, offs_w, BITS, HAS_PERM, MMA_ORDER
-    )
-    for k0 in range(0, K, BLOCK_K):
-        ahead = k0 + PREFETCH * BLOCK_K
-        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, K,
-                                                          k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
-                                                          HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(x_ptr, x_base, k0 + BLOCK_K, perm_ptr, perm_base, K, offs_w, BITS,
-                                                  HAS_PERM, MMA_ORDER)  # fmt: skip
-        acc_gate += sg_0 * _row_dot(gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
-        acc_up += su_0 * _row_dot(up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
-        if PREFETCH == 2:
-            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_1, up_1, sg_1, zg_1, su_1, zu_1
-            gate_1, up_1, sg_1, zg_1, su_1, zu_1 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
-        else:
-            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
-        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
-    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    tl.store(inter_ptr + pair.to(tl.int64) * stride_inter + offs_n, act.to(ACT_DTYPE), mask=n_mask)
-
-
-@triton.jit
-def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s_g, N, n_mask, offs_w,
-               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, N, n_mask,
+               offs_w, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Gate and up words, scales and zeros of the K block at ``k0``.
 
-    A block past K (a prefetch the loop never uses) reads the last real block again instead: always in
-    bounds, and no scalar term in the mask to break the 16-byte loads."""
+    A block past the program's K range (a prefetch the loop never uses) reads its last block ``k_last`` again
+    instead: always in bounds, and no scalar term in the mask to break the 16-byte loads."""
     VALS: tl.constexpr = 32 // BITS
-    k0 = tl.minimum(k0, (K - 1) // BLOCK_K * BLOCK_K)
+    k0 = tl.minimum(k0, k_last)
     mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
     gate = tl.load(gate_ptrs + k0 // VALS, mask=mask, other=0)
     up = tl.load(up_ptrs + k0 // VALS, mask=mask, other=0)
@@ -211,12 +134,12 @@ def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_
 
 
 @triton.jit
-def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s_g, n_mask, offs_w,
+def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, n_mask, offs_w,
               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Words, scales and zeros of the K block at ``k0`` (past K: the last real block, as in _w13_block)."""
+    """Words, scales and zeros of the K block at ``k0`` (past the range: block ``k_last``, as in _w13_block)."""
     VALS: tl.constexpr = 32 // BITS
-    k0 = tl.minimum(k0, (K - 1) // BLOCK_K * BLOCK_K)
+    k0 = tl.minimum(k0, k_last)
     mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
     words = tl.load(w_ptrs + k0 // VALS, mask=mask, other=0)
     group = k0 // group_len
@@ -225,14 +148,200 @@ def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, K, k_words, group_len, stride_s
 
 
 @triton.jit
-def _w2_decode_kernel(
-    inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, topk_ids_ptr,
-    num_experts, N, K, group_len, stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+def _xp_block(xp_ptr, row_base, k0, offs_w, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The prepared activations of the K block at ``k0`` (SPEC of ``prepare_rows``): one [WORDS] fp32 vector per
+    field, each a contiguous run (vector loads, no index math, no mask); fields a word lacks are 0."""
+    VALS: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // VALS
+    ptrs = xp_ptr + row_base + k0 + offs_w
+    x0 = tl.load(ptrs)
+    x1 = tl.load(ptrs + WORDS)
+    x2 = tl.load(ptrs + 2 * WORDS)
+    x3 = tl.load(ptrs + 3 * WORDS)
+    if VALS == 8:
+        x4 = tl.load(ptrs + 4 * WORDS)
+        x5 = tl.load(ptrs + 5 * WORDS)
+        x6 = tl.load(ptrs + 6 * WORDS)
+        x7 = tl.load(ptrs + 7 * WORDS)
+    else:
+        x4 = tl.zeros(offs_w.shape, dtype=tl.float32)
+        x5, x6, x7 = x4, x4, x4
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _field_major_slot(n, BITS: tl.constexpr, MMA_ORDER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(offset in a prepared row, 16^-pos) of input ``n``: the inverse of ``_field_input`` within its block."""
+    VALS: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // VALS
+    SPLIT: tl.constexpr = 5 if BITS == 4 else 2
+    r = n % BLOCK_K
+    if MMA_ORDER:  # r = 64(j // 8) + 16(s % 4) + 2(j % 8) + s // 4 within a 128-input block
+        s = r // 16 % 4 + r % 2 * 4
+        w = r // 64 * 8 + r // 2 % 8
+    else:
+        s = r % VALS
+        w = r // VALS
+    pos = tl.where(s >= SPLIT, s - (VALS - SPLIT), s)
+    inverse = ((127 - BITS * pos) << 23).to(tl.float32, bitcast=True)  # exactly 2^(-BITS * pos)
+    return n - r + s * WORDS + w, inverse
+
+
+@triton.jit
+def _prepare_kernel(
+    x_ptr, perm_ptr, topk_ids_ptr, xp_ptr, scratch_ptr,
+    num_experts, K, k_pad, stride_x, scratch_len, zero_span,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
+    BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One K block of one prepared row (a token, or a pair under act-order, whose expert's permutation gathers
+    it), then this program's share of the zeroed scratch: both jobs of the decode's first launch."""
+    row = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    VALS: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // VALS
+    offs_w = tl.arange(0, WORDS)
+    if HAS_PERM:
+        perm_base = _expert_of(topk_ids_ptr, row, num_experts) * K
+        token = (row // TOP_K).to(tl.int64)
+    else:
+        perm_base = 0
+        token = row.to(tl.int64)
+    out = xp_ptr + row.to(tl.int64) * k_pad + k0 + offs_w
+    for s in tl.static_range(VALS):
+        pos, _shift = _field_pos(s, BITS)
+        k = _field_input(k0, offs_w, s, BITS, MMA_ORDER)
+        k_ok = k < K
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0)
+        else:
+            cols = k
+        x = tl.load(x_ptr + token * stride_x + cols, mask=k_ok, other=0.0).to(tl.float32)
+        tl.store(out + s * WORDS, x * (1.0 / (1 << (BITS * pos))))
+    program = row * tl.num_programs(1) + tl.program_id(1)
+    offs = tl.arange(0, ZERO_BLOCK)
+    end = tl.minimum(scratch_len, (program + 1) * zero_span)
+    for start in range(program * zero_span, end, ZERO_BLOCK):
+        tl.store(scratch_ptr + start + offs, tl.zeros((ZERO_BLOCK,), tl.int32), mask=start + offs < end)
+
+
+@triton.jit
+def _k_range(K, blocks_per_split, BLOCK_K: tl.constexpr):
+    """(first K, end K, last block's K) of this program's slice of K: split ``program_id(2)`` of the
+    ``blocks_per_split``-block slices (one slice, all of K, without split-K). The host sizes the split so
+    none is empty."""
+    k_begin = tl.program_id(2) * blocks_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + blocks_per_split * BLOCK_K)
+    return k_begin, k_end, (k_end - 1) // BLOCK_K * BLOCK_K
+
+
+@triton.jit
+def _add_and_arrive(row_ptrs, values, mask, counter_ptr, expected):
+    """Add ``values`` into fp32 ``row_ptrs`` and count this program in; True for the last of ``expected``.
+
+    The barrier orders every thread's adds before the count, whose acq_rel atomic publishes them (and, in the
+    last program, makes every other program's adds visible to the reads that follow)."""
+    tl.atomic_add(row_ptrs, values, mask=mask, sem="relaxed")
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel") == expected - 1
+
+
+@triton.jit
+def _total(row_ptrs, mask):
+    """What every program added into ``row_ptrs``, read by an atomic (L2's value, never a stale L1 line)."""
+    return tl.atomic_add(row_ptrs, tl.zeros(mask.shape, tl.float32), mask=mask, sem="acquire")
+
+
+@triton.jit
+def _w13_decode_kernel(
+    xp_ptr, qw_ptr, scales_ptr, zeros_ptr, inter_ptr, topk_ids_ptr, sums_ptr, arrivals_ptr,
+    num_experts, N, K, k_pad, i_pad, group_len, blocks_per_split, field_mask, magic,
+    stride_qw_e, stride_qw_n, stride_s_e, stride_s_g,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
+    HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels,
+    written as w2's prepared input (field-major, pre-scaled fp32 of the value rounded to the activation dtype).
+
+    Weights, scales and zeros are loaded PREFETCH (1 or 2) K blocks ahead and the activations one block ahead,
+    so the arithmetic of a block never waits on the memory it needs. With SPLIT_K, program_id(2) takes one
+    slice of K; the slices meet in fp32 sums and the last to arrive applies SiLU: more programs, and more bytes
+    in flight, when the pairs alone do not fill the GPU."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = _expert_of(topk_ids_ptr, pair, num_experts)
+    if HAS_PERM:  # one prepared row per pair (its expert's permutation), else per token
+        xp_row = pair.to(tl.int64) * k_pad
+    else:
+        xp_row = (pair // TOP_K).to(tl.int64) * k_pad
+    VALS: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // VALS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    gate_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    up_ptrs = gate_ptrs + N * stride_qw_n
+    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
+    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
+    k_words = K // VALS
+    k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
+    acc_gate = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    # The first block (and the second when PREFETCH == 2) before the loop; the loop loads k0 + PREFETCH*BLOCK_K.
+    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last,
+                                                      k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
+                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K,
+                                                      k_last, k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
+                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(xp_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ahead = k0 + PREFETCH * BLOCK_K
+        k_next = tl.minimum(k0 + BLOCK_K, k_last)
+        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, k_last,
+                                                          k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
+                                                          HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+        n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(xp_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
+        acc_gate = _block_dot(acc_gate, sg_0, gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
+        acc_up = _block_dot(acc_up, su_0, up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
+        if PREFETCH == 2:
+            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_1, up_1, sg_1, zg_1, su_1, zu_1
+            gate_1, up_1, sg_1, zg_1, su_1, zu_1 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
+        else:
+            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
+        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    done = True
+    if SPLIT_K:
+        row = sums_ptr + pair.to(tl.int64) * 2 * N + offs_n
+        tl.atomic_add(row, gate, mask=n_mask, sem="relaxed")
+        counter = arrivals_ptr + pair * tl.num_programs(1) + pid_n
+        done = _add_and_arrive(row + N, up, n_mask, counter, tl.num_programs(2))
+        if done:
+            gate = _total(row, n_mask)
+            up = _total(row + N, n_mask)
+    if done:
+        act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE).to(tl.float32)
+        slot, inverse = _field_major_slot(offs_n, BITS, MMA_ORDER, BLOCK_K)
+        tl.store(inter_ptr + pair.to(tl.int64) * i_pad + slot, act * inverse, mask=n_mask)
+
+
+@triton.jit
+def _w2_decode_kernel(
+    inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, topk_ids_ptr, sums_ptr, arrivals_ptr,
+    num_experts, N, K, i_pad, group_len, blocks_per_split, field_mask, magic,
+    stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr, REDUCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for one pair and BLOCK_N channels."""
+    """out[token, n] = sum over the token's pairs of w[pair] * (W2[e] @ inter[pair])[n], BLOCK_N channels of one
+    pair (and one K slice) per program.
+
+    With REDUCE (top-k > 1 or split-K) every program adds its share into the token's fp32 row and the last of
+    the token's TOP_K * slices programs writes the row out in the activation dtype: no torch sum, no cast."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = _expert_of(topk_ids_ptr, pair, num_experts)
@@ -244,35 +353,122 @@ def _w2_decode_kernel(
     w_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
     scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
-    x_base = pair.to(tl.int64) * stride_inter
+    xp_row = pair.to(tl.int64) * i_pad
     k_words = K // VALS
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, 0, K, k_words, group_len, stride_s_g, n_mask, offs_w,
-                              BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, BLOCK_K, K, k_words, group_len, stride_s_g, n_mask,
+    k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, group_len, stride_s_g, n_mask,
                               offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(inter_ptr, x_base, 0, inter_ptr, 0, K, offs_w, BITS, False, MMA_ORDER)
-    for k0 in range(0, K, BLOCK_K):
-        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, K, k_words, group_len,
+    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, group_len, stride_s_g,
+                              n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(inter_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_next = tl.minimum(k0 + BLOCK_K, k_last)
+        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, k_last, k_words, group_len,
                                   stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
                                   BLOCK_K)  # fmt: skip
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x_block(
-            inter_ptr, x_base, k0 + BLOCK_K, inter_ptr, 0, K, offs_w, BITS, False, MMA_ORDER
-        )
-        acc += s_0 * _row_dot(w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(inter_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
+        acc = _block_dot(acc, s_0, w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         if PREFETCH == 2:
             w_0, s_0, z_0 = w_1, s_1, z_1
             w_1, s_1, z_1 = w_n, s_n, z_n
         else:
             w_0, s_0, z_0 = w_n, s_n, z_n
         x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
-    acc = acc * tl.load(topk_weights_ptr + pair).to(tl.float32)
-    if ATOMIC:
-        token = (pair // TOP_K).to(tl.int64)
-        tl.atomic_add(out_ptr + token * stride_out + offs_n, acc, mask=n_mask)
-    else:
-        tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, acc.to(ACT_DTYPE), mask=n_mask)
+    result = tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    token = (pair // TOP_K).to(tl.int64)
+    done = True
+    if REDUCE:
+        row = sums_ptr + token * N + offs_n
+        counter = arrivals_ptr + token * tl.num_programs(1) + pid_n
+        done = _add_and_arrive(row, result, n_mask, counter, TOP_K * tl.num_programs(2))
+        if done:
+            result = _total(row, n_mask)
+    if done:
+        tl.store(out_ptr + token * stride_out + offs_n, result.to(ACT_DTYPE), mask=n_mask)
 
 
-def decode_grid(num_pairs: int, n: int, block_n: int) -> tuple[int, int]:
-    return (num_pairs, triton.cdiv(n, block_n))
+def k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(blocks per slice, slices) for splitting ``k`` into at most ``split_k`` slices of whole BLOCK_K blocks,
+    none of them empty (the kernels' ``_k_range``)."""
+    blocks = triton.cdiv(k, block_k)
+    per_slice = triton.cdiv(blocks, max(1, split_k))
+    return per_slice, triton.cdiv(blocks, per_slice)
+
+
+class DecodeScratch:
+    """The fp32/int32 buffers one decode call needs, carved from one allocation the prepare launch zeroes.
+
+    ``inter`` (w2's prepared input) is inside the zeroed region only when I is not a multiple of BLOCK_K: its
+    padding must read as 0, everything else in it is written by w13."""
+
+    def __init__(self, m: int, pairs: int, h: int, i: int, block_k: int, tiles13: int, tiles2: int, split13: bool,
+                 reduce2: bool, device) -> None:  # fmt: skip
+        i_pad = triton.cdiv(i, block_k) * block_k
+        sizes = {
+            "out_sums": m * h if reduce2 else 1,
+            "out_arrivals": m * tiles2 if reduce2 else 1,
+            "gate_up_sums": pairs * 2 * i if split13 else 1,
+            "gate_up_arrivals": pairs * tiles13 if split13 else 1,
+            "inter": pairs * i_pad,
+        }
+        zeroed = list(sizes) if i_pad != i else list(sizes)[:-1]
+        self.zeroed_len = sum(sizes[name] for name in zeroed)
+        self.buffer = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
+        self.i_pad = i_pad
+        start = 0
+        self.views: dict[str, torch.Tensor] = {}
+        for name, size in sizes.items():
+            self.views[name] = self.buffer[start : start + size]
+            start += size
+        for name in ("out_sums", "gate_up_sums", "inter"):
+            self.views[name] = self.views[name].view(torch.float32)
+
+
+def run_decode(x, weights, ids, route_w, out, zeros13, zeros2, cfg: dict, common: dict) -> None:
+    """The decode path: prepare (activations + zeroed scratch) -> w13 -> w2 straight into ``out``: three launches.
+
+    ``cfg``: BLOCK_N, BLOCK_K (128 on mma128 stacks: one word-order block per step), num_warps, num_stages,
+    PREFETCH (K blocks loaded ahead, 1 or 2) and SPLIT_K (slices of K per (pair, tile): more programs when the
+    pairs are few)."""
+    m, h = x.shape
+    n_inter, num_pairs, top_k = weights.intermediate_size, ids.numel(), ids.shape[1]
+    launch = {k: cfg[k] for k in ("num_warps", "num_stages")}
+    block_n = cfg["BLOCK_N"]
+    block_k = 128 if weights.mma_order else cfg["BLOCK_K"]
+    prefetch = int(cfg.get("PREFETCH", 1))
+    split_k = int(cfg.get("SPLIT_K", 1))
+    has_perm = weights.w13_perm is not None
+    per_slice13, slices13 = k_slices(h, block_k, split_k)
+    per_slice2, slices2 = k_slices(n_inter, block_k, split_k)
+    tiles13, tiles2 = triton.cdiv(n_inter, block_n), triton.cdiv(h, block_n)
+    reduce2 = top_k * slices2 > 1
+    scratch = DecodeScratch(m, num_pairs, h, n_inter, block_k, tiles13, tiles2, slices13 > 1, reduce2, x.device)
+    k_pad = triton.cdiv(h, block_k) * block_k
+    rows = num_pairs if has_perm else m
+    xp = torch.empty(rows, k_pad, dtype=torch.float32, device=x.device)
+    blocks = k_pad // block_k
+    zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
+    perm = weights.w13_perm if has_perm else ids
+    flags = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
+    _prepare_kernel[(rows, blocks)](
+        x, perm, ids, xp, scratch.buffer, weights.num_experts, h, k_pad, x.stride(0), scratch.zeroed_len, zero_span,
+        TOP_K=top_k, BITS=weights.bits, HAS_PERM=has_perm, ZERO_BLOCK=256, num_warps=1, **flags,
+    )  # fmt: skip
+    fields = ((1 << weights.bits) - 1, FP32_TWO_POW_23)  # field mask and exponent bits, passed in registers
+    views = scratch.views
+    w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
+    _w13_decode_kernel[(num_pairs, tiles13, slices13)](
+        xp, w13, s13, zeros13, views["inter"], ids, views["gate_up_sums"], views["gate_up_arrivals"],
+        weights.num_experts, n_inter, h, k_pad, scratch.i_pad, weights.group_len(h), per_slice13,
+        *fields, w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        HAS_PERM=has_perm, EVEN_K=h % block_k == 0, SPLIT_K=slices13 > 1, BLOCK_N=block_n, PREFETCH=prefetch,
+        **common, **flags, **launch,
+    )  # fmt: skip
+    _w2_decode_kernel[(num_pairs, tiles2, slices2)](
+        views["inter"], w2, s2, zeros2, route_w, out, ids, views["out_sums"], views["out_arrivals"],
+        weights.num_experts, h, n_inter, scratch.i_pad, weights.group_len(n_inter), per_slice2,
+        *fields, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+        EVEN_K=n_inter % block_k == 0, REDUCE=reduce2, BLOCK_N=block_n, PREFETCH=prefetch,
+        **common, **flags, **launch,
+    )  # fmt: skip

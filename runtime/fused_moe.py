@@ -33,13 +33,7 @@ import triton.language as tl
 from repack.errors import RepackError
 from repack.runtime import weight_major
 from repack.runtime.align import align_pairs, block_rows, tile_ids
-from repack.runtime.decode_kernels import (
-    _quant_params,
-    _w2_decode_kernel,
-    _w13_decode_kernel,
-    _word_mask,
-    decode_grid,
-)
+from repack.runtime.decode_kernels import _quant_params, _word_mask, run_decode
 from repack.runtime.kernel_config import fit_config, get_config
 from repack.runtime.weights import MoeWeights
 
@@ -334,9 +328,13 @@ def fused_moe(
         HAS_ZEROS=weights.w13_zeros is not None,
         ACT_DTYPE=_TL_DTYPES[dtype],
     )
-    inter = torch.empty(num_pairs, n_inter, dtype=dtype, device=device)
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
+    weight_major_config = bool(cfg.pop("WEIGHT_MAJOR", False))
+    if direct and not weight_major_config:
+        run_decode(x, weights, ids, route_w, out, zeros13, zeros2, cfg, common)
+        return out
+    inter = torch.empty(num_pairs, n_inter, dtype=dtype, device=device)
     perm = weights.w13_perm if weights.w13_perm is not None else ids
     atomic = reduce == "atomic"
     if atomic:
@@ -345,10 +343,7 @@ def fused_moe(
         target = out
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)
-    weight_major_config = bool(cfg.pop("WEIGHT_MAJOR", False))
-    if direct and not weight_major_config:
-        _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device)
-    elif weights.mma_order or (weight_major_config and supports_weight_major(weights)):
+    if weights.mma_order or (weight_major_config and supports_weight_major(weights)):
         # The weight-major kernels are the only tensor-core kernels that read mma128 words.
         _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, direct, cfg)
     else:
@@ -358,34 +353,6 @@ def fused_moe(
     elif target is not out:
         torch.sum(target.view(m, top_k, h), dim=1, out=out)
     return out
-
-
-def _run_decode(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device) -> None:
-    """Direct mode: one program per (pair, n tile), CUDA-core kernels of runtime/decode_kernels.py."""
-    h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, ids.numel()
-    w13, w2 = weights.w13_qweight, weights.w2_qweight
-    launch_cfg = {k: cfg[k] for k in ("num_warps", "num_stages")}
-    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    prefetch = int(cfg.get("PREFETCH", 1))  # K blocks loaded ahead of the arithmetic (1 or 2)
-    mma_order = weights.mma_order
-    if mma_order:
-        block_k = 128  # one 16-word block of the word order per step
-    _w13_decode_kernel[decode_grid(num_pairs, n_inter, block_n)](
-        x, w13, weights.w13_scales, zeros13, perm, inter, ids, weights.num_experts,
-        n_inter, h, _group_len(weights, h), x.stride(0), w13.stride(0), w13.stride(1),
-        weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0),
-        HAS_PERM=weights.w13_perm is not None, EVEN_K=h % block_k == 0, MMA_ORDER=mma_order, BLOCK_N=block_n,
-        BLOCK_K=block_k, PREFETCH=prefetch,
-        **common, **launch_cfg,
-    )  # fmt: skip
-    _w2_decode_kernel[decode_grid(num_pairs, h, block_n)](
-        inter, w2, weights.w2_scales, zeros2, route_w, target, ids, weights.num_experts,
-        h, n_inter, _group_len(weights, n_inter), inter.stride(0), w2.stride(0), w2.stride(1),
-        weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0),
-        ATOMIC=atomic, EVEN_K=n_inter % block_k == 0, MMA_ORDER=mma_order, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=prefetch,
-        **common, **launch_cfg,
-    )  # fmt: skip
 
 
 def _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device) -> None:
@@ -405,16 +372,25 @@ def _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm,
     view = torch.int32 if nibble_dots else torch.int16
     w13_words = weights.w13_qweight.view(view)
     args13 = [x, w13_words, weights.w13_scales, zeros13, perm, inter, *row_args, n_inter, h,
-              _group_len(weights, h), x.stride(0), w13_words.stride(0), w13_words.stride(1),
+              weights.group_len(h), x.stride(0), w13_words.stride(0), w13_words.stride(1),
               weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0)]  # fmt: skip
     flags13 = {**mma, "HAS_PERM": weights.w13_perm is not None, "EVEN_K": h % cfg["BLOCK_K"] == 0}
     _launch(_w13_kernel, num_pid_m, n_inter, args13, flags13, cfg, device)
     w2_words = weights.w2_qweight.view(view)
     args2 = [inter, w2_words, weights.w2_scales, zeros2, route_w, target, *row_args, h, n_inter,
-             _group_len(weights, n_inter), inter.stride(0), w2_words.stride(0), w2_words.stride(1),
+             weights.group_len(n_inter), inter.stride(0), w2_words.stride(0), w2_words.stride(1),
              weights.w2_scales.stride(0), weights.w2_scales.stride(1), target.stride(0)]  # fmt: skip
     flags2 = {**mma, "ATOMIC": atomic, "EVEN_K": n_inter % cfg["BLOCK_K"] == 0}
     _launch(_w2_kernel, num_pid_m, h, args2, flags2, cfg, device)
+
+
+# bf16 activations on the weight-major kernels (past decode). True (default): each fp16 scale is rounded to bf16
+# inside the dequantized weight, as serving stacks that cast GPTQ scales to the model dtype do; bf16 then runs as
+# fast as fp16 (H200: within 6% at every M measured). False: the scale is applied exactly, in fp32 once per K step,
+# at the cost of a second accumulator and half-width tiles (+15% to +58% past M=128). Relative error against a
+# float32 reference, H200, Qwen2-57B / Qwen1.5-MoE shapes: 4.0e-3 / 4.5e-3 rounded, 2.6e-3 / 2.8e-3 exact
+# (benchmarks/RESULTS.md). The decode kernels apply scales in fp32 either way.
+BF16_SCALES_IN_WEIGHTS = True
 
 
 def supports_weight_major(weights: MoeWeights) -> bool:
@@ -441,27 +417,23 @@ def _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, 
     flags = {k: v for k, v in common.items() if k != "BITS"}
     scale_acc = bool(cfg.pop("SCALE_ACC", True))
     cfg = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")}  # BLOCK_K is 128
-    if common["ACT_DTYPE"] == tl.bfloat16 and not scale_acc:
-        # bf16 needs the scale applied in fp32 (SCALE_ACC); its second accumulator would double the registers of a
+    if common["ACT_DTYPE"] == tl.bfloat16 and not scale_acc and not BF16_SCALES_IN_WEIGHTS:
+        # Exact bf16: the scale applied in fp32 (SCALE_ACC); its second accumulator would double the registers of a
         # tile chosen for fp16 (spills), so the tile gives up half its rows instead.
         scale_acc = True
         cfg["BLOCK_N"] = max(32, cfg["BLOCK_N"] // 2)
     flags.update(SCALE_ACC=scale_acc, DIRECT=direct, MMA_ORDER=mma_order)
     row_args = [*row_ptrs, ids, num_pairs, num_pid_m, weights.num_experts]
     w13, w2 = weights.w13_qweight, weights.w2_qweight
-    args13 = [x_in, w13, weights.w13_scales, zeros13, perm, inter, *row_args, n_inter, h, _group_len(weights, h),
+    args13 = [x_in, w13, weights.w13_scales, zeros13, perm, inter, *row_args, n_inter, h, weights.group_len(h),
               x_in.stride(0), w13.stride(0), w13.stride(1), weights.w13_scales.stride(0),
               weights.w13_scales.stride(1), inter.stride(0)]  # fmt: skip
     flags13 = dict(flags, HAS_PERM=has_perm, NIBBLE_MAJOR_X=nibble_major_x)
     _launch(weight_major._w13_weight_major_kernel, num_pid_m, n_inter, args13, flags13, cfg, x.device)
     args2 = [inter, w2, weights.w2_scales, zeros2, route_w, target, *row_args, h, n_inter,
-             _group_len(weights, n_inter), inter.stride(0), w2.stride(0), w2.stride(1), weights.w2_scales.stride(0),
+             weights.group_len(n_inter), inter.stride(0), w2.stride(0), w2.stride(1), weights.w2_scales.stride(0),
              weights.w2_scales.stride(1), target.stride(0)]  # fmt: skip
     _launch(weight_major._w2_weight_major_kernel, num_pid_m, h, args2, dict(flags, ATOMIC=atomic), cfg, x.device)
-
-
-def _group_len(weights: MoeWeights, k: int) -> int:
-    return k if weights.group_size == -1 else weights.group_size
 
 
 def _fit_blocks(cfg: dict, weights: MoeWeights) -> dict:

@@ -24,10 +24,21 @@ from repack.runtime.weights import MoeWeights
 TUNE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-DECODE_CONFIGS = [
-    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=warps, num_stages=1, DIRECT=True, PREFETCH=depth)
-    for bn, warps in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))
+DECODE_CONFIGS = [  # CUDA-core decode kernels (runtime/decode_kernels.py): tile, warps, prefetch depth, K slices
+    dict(
+        BLOCK_M=16,
+        BLOCK_N=bn,
+        BLOCK_K=128,
+        GROUP_M=1,
+        num_warps=warps,
+        num_stages=1,
+        DIRECT=True,
+        PREFETCH=depth,
+        SPLIT_K=split,
+    )  # fmt: skip
+    for bn, warps in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
     for depth in (1, 2)
+    for split in (1, 2, 4, 8)
 ]
 _TILES = (  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     (16, 64, 128, 1, 4, 2),
@@ -89,11 +100,17 @@ def candidate_configs(num_tokens: int, top_k: int, num_experts: int, word_order:
     """
     pairs = num_tokens * top_k
     rows_per_expert = pairs / max(1, num_experts)
-    configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 64 else []
+    configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 128 else []
     tiles = WEIGHT_MAJOR_CONFIGS if word_order == MMA128_ORDER else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
     configs += [c for c in tiles if c["BLOCK_M"] <= max(16, 4 * rows_per_expert)]
     reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
-    return [dict(c, REDUCE=r) for c in configs for r in reduces]
+    # The CUDA-core decode kernels always sum the top-k in w2: REDUCE does not apply to them.
+    decode = [c for c in configs if _cuda_core(c)]
+    return decode + [dict(c, REDUCE=r) for c in configs if not _cuda_core(c) for r in reduces]
+
+
+def _cuda_core(cfg: dict) -> bool:
+    return bool(cfg.get("DIRECT")) and not cfg.get("WEIGHT_MAJOR")
 
 
 def random_stack(

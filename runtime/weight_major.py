@@ -97,11 +97,12 @@ def _pair_weights(words, zero_f, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr
 
 @triton.jit
 def _unbias(biased, zero_f, scale, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr):
-    """``bias + q`` [rows, K] -> ``q - zero`` (exact), times the row's scale in fp16 unless SCALE_ACC (bf16 always
-    scales the K step's fp32 sum instead: fp16 scales do not fit bf16)."""
+    """``bias + q`` [rows, K] -> ``q - zero`` (exact), times the row's scale in the activation dtype unless SCALE_ACC
+    (which scales the K step's fp32 sum instead). In bf16 the fp16 scale is rounded to bf16 first, as serving stacks
+    that cast GPTQ scales to the model dtype do: 2^-9 relative per scale, where SCALE_ACC keeps it exact."""
     w = biased - zero_f[:, None]
-    if tl.float16 == ACT_DTYPE and not SCALE_ACC:
-        w = w * scale[:, None]
+    if not SCALE_ACC:
+        w = w * scale[:, None].to(ACT_DTYPE)
     return w
 
 

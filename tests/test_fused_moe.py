@@ -339,3 +339,27 @@ def test_an_out_of_range_expert_id_only_affects_its_own_token(device, direct):
     bad_ids[2] = torch.tensor([4, 7], dtype=torch.int32)
     bad = fused_moe(x, dev, bad_ids.to(device), w.to(device), config=dict(config))
     assert torch.equal(bad[:2], good[:2])
+
+
+@pytest.mark.parametrize(
+    ("word_order", "h", "i", "group", "split_k"),
+    [("gptq", 320, 128, 32, 3), ("mma128", 384, 256, 128, 2)],
+    ids=["gptq-uneven-slices", "mma128"],
+)
+def test_split_k_decode(device, word_order, h, i, group, split_k):
+    """Split-K decode: K cut into slices of whole blocks (the last one shorter), w13's slices meet in the fp32
+    workspace and the last to arrive applies SiLU; w2's add into the fp32 output."""
+    scheme = GptqScheme(4, group, False, "gptq")
+    weights, sources = make_stack(4, h, i, scheme, act_order=True, word_order=word_order)
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True,
+                  SPLIT_K=split_k, PREFETCH=1)  # fmt: skip
+    assert run_case(weights, sources, scheme, 2, 2, [0, 1, 3], config, device, seed=14) <= 2e-3
+
+
+def test_k_slices_are_never_empty():
+    from repack.runtime.decode_kernels import k_slices
+
+    for k_blocks in range(1, 40):
+        for split in range(1, 9):
+            per, slices = k_slices(k_blocks * 128, 128, split)
+            assert slices <= split and (slices - 1) * per < k_blocks <= slices * per

@@ -55,7 +55,7 @@ def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) ->
     """Compile the w13 and w2 kernels a config selects (decode or tensor-core); shared memory bytes each."""
     import triton.language as tl
 
-    from repack.runtime.decode_kernels import _w2_decode_kernel, _w13_decode_kernel
+    from repack.runtime.decode_kernels import _prepare_kernel, _w2_decode_kernel, _w13_decode_kernel
     from repack.runtime.fused_moe import _w2_kernel, _w13_kernel
     from repack.runtime.weight_major import _w2_weight_major_kernel, _w13_weight_major_kernel
 
@@ -76,6 +76,8 @@ def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) ->
         num_blocks_ptr="*i32",
         topk_ids_ptr="*i32",
         topk_weights_ptr="*fp32",
+        sums_ptr="*fp32",
+        arrivals_ptr="*i32",
     )
     atomic = cfg.get("REDUCE") == "atomic"
     types2 = dict(types, out_ptr="*fp32" if atomic else ptr)
@@ -85,15 +87,25 @@ def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) ->
     if cfg.get("WEIGHT_MAJOR"):
         direct = bool(cfg.get("DIRECT"))
         wm = {k: v for k, v in common.items() if k not in ("BITS", "EVEN_K")}
-        wm.update(SCALE_ACC=cfg.get("SCALE_ACC", True) or act == "bfloat16", BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], DIRECT=direct, MMA_ORDER=mma_order)  # fmt: skip
+        wm.update(SCALE_ACC=cfg.get("SCALE_ACC", True), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                  GROUP_M=cfg["GROUP_M"], DIRECT=direct, MMA_ORDER=mma_order)  # fmt: skip
         flags13 = {**wm, "HAS_PERM": asym, "NIBBLE_MAJOR_X": not (asym or direct or mma_order)}
         w13 = _compile(_w13_weight_major_kernel, types, flags13, *launch)
         w2 = _compile(_w2_weight_major_kernel, types2, {**wm, "ATOMIC": atomic}, *launch)
+        if act == "bfloat16" and not wm["SCALE_ACC"]:
+            # fused_moe.BF16_SCALES_IN_WEIGHTS = False: exact fp32 scales, on a tile half as wide.
+            exact = dict(SCALE_ACC=True, BLOCK_N=max(32, cfg["BLOCK_N"] // 2))
+            _compile(_w13_weight_major_kernel, types, {**flags13, **exact}, *launch)
+            _compile(_w2_weight_major_kernel, types2, {**wm, **exact, "ATOMIC": atomic}, *launch)
     elif cfg.get("DIRECT"):
+        # The decode kernels read fp32 prepared activations and write w2's the same way (decode_kernels.py).
+        prepared = dict(types, xp_ptr="*fp32", inter_ptr="*fp32", scratch_ptr="*i32")
         decode = dict(common, PREFETCH=cfg.get("PREFETCH", 1), MMA_ORDER=mma_order, **tiles)
-        w13 = _compile(_w13_decode_kernel, types, {**decode, "HAS_PERM": asym}, *launch)
-        w2 = _compile(_w2_decode_kernel, types2, {**decode, "ATOMIC": atomic}, *launch)
+        split = cfg.get("SPLIT_K", 1) > 1
+        w13 = _compile(_w13_decode_kernel, prepared, {**decode, "HAS_PERM": asym, "SPLIT_K": split}, *launch)
+        w2 = _compile(_w2_decode_kernel, prepared, {**decode, "REDUCE": True}, *launch)
+        prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg["BLOCK_K"], ZERO_BLOCK=256)
+        _compile(_prepare_kernel, prepared, prepare, 1, 1)
     else:
         mma = dict(
             common,
