@@ -149,8 +149,8 @@ def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, str
 
 @triton.jit
 def _xp_block(xp_ptr, row_base, k0, offs_w, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The prepared activations of the K block at ``k0`` (SPEC of ``prepare_rows``): one [WORDS] fp32 vector per
-    field, each a contiguous run (vector loads, no index math, no mask); fields a word lacks are 0."""
+    """The prepared activations of the K block at ``k0`` (laid out by ``_prepare_kernel``): one [WORDS] fp32 vector
+    per field, each a contiguous run (vector loads, no index math, no mask); fields a word lacks are 0."""
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     ptrs = xp_ptr + row_base + k0 + offs_w

@@ -301,7 +301,9 @@ def fused_moe(
 
     ``topk_ids`` [M, k] (int32 or int64, values in [0, E)), ``topk_weights`` [M, k] (any float dtype).
     ``config`` overrides the tuned/heuristic kernel config (keys BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-    num_warps, num_stages, and optionally DIRECT, REDUCE "pairs"|"atomic"). ``out`` receives the result.
+    num_warps, num_stages, and optionally DIRECT, WEIGHT_MAJOR, SCALE_ACC, REDUCE "pairs"|"atomic"; the CUDA-core
+    decode path (DIRECT without WEIGHT_MAJOR) takes PREFETCH and SPLIT_K and always sums the top-k in its w2
+    kernel). ``out`` receives the result.
     """
     _check_inputs(hidden_states, weights, topk_ids, topk_weights)
     m, h = hidden_states.shape
@@ -386,7 +388,7 @@ def _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm,
 
 # bf16 activations on the weight-major kernels (past decode). True (default): each fp16 scale is rounded to bf16
 # inside the dequantized weight, as serving stacks that cast GPTQ scales to the model dtype do; bf16 then runs as
-# fast as fp16 (H200: within 6% at every M measured). False: the scale is applied exactly, in fp32 once per K step,
+# fast as fp16 (H200: -4% to +9% at every M measured). False: the scale is applied exactly, in fp32 once per K step,
 # at the cost of a second accumulator and half-width tiles (+15% to +58% past M=128). Relative error against a
 # float32 reference, H200, Qwen2-57B / Qwen1.5-MoE shapes: 4.0e-3 / 4.5e-3 rounded, 2.6e-3 / 2.8e-3 exact
 # (benchmarks/RESULTS.md). The decode kernels apply scales in fp32 either way.
