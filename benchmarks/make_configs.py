@@ -1,8 +1,9 @@
 """Turn sweep results (benchmarks/sweep_moe.py JSON files) into the runtime's tuned config tables.
 
 ``python benchmarks/make_configs.py OUT_DIR SWEEP.json [SWEEP.json ...]``: for every (case, M) the fastest
-config over all files wins (each file is one device run; a code path a later run did not time keeps its
-earlier timing). Writes one
+config over all files wins. Each file is one device run, in order: where a later file timed a code path (decode,
+weight-major, ...) at some (case, M), the earlier files' timings of that path there are dropped, since the code
+they timed may have changed since; a path a later run did not time keeps its earlier timings. Writes one
 ``E=..,N=..,device_name=...json`` per case (runtime/kernel_config.py's format).
 """
 
@@ -17,16 +18,30 @@ from benchmarks.bench_moe import CASES
 DEVICE = "NVIDIA_H200"
 
 
+def code_path(config: dict) -> str:
+    """Which kernels a config runs: the CUDA-core decode kernels, the weight-major ones (DIRECT or aligned), or the
+    older tensor-core ones."""
+    if config.get("WEIGHT_MAJOR"):
+        return "weight-major direct" if config.get("DIRECT") else "weight-major"
+    return "decode" if config.get("DIRECT") else "tensor-core"
+
+
 def best_configs(paths: list[Path]) -> dict[str, dict[int, dict]]:
-    """case -> M -> the fastest config measured in any of the files."""
-    fastest: dict[tuple[str, int], tuple[float, dict]] = {}
+    """case -> M -> the fastest config of the latest timings of each code path."""
+    latest: dict[tuple[str, int, str], list[tuple[float, dict]]] = {}
     for path in paths:
+        timed: dict[tuple[str, int, str], list[tuple[float, dict]]] = {}
         for row in json.loads(path.read_text()):
-            key = (row["case"], int(row["M"]))
-            if key not in fastest or row["us"] < fastest[key][0]:
-                fastest[key] = (row["us"], row["config"])
+            key = (row["case"], int(row["M"]), code_path(row["config"]))
+            timed.setdefault(key, []).append((row["us"], row["config"]))
+        latest.update(timed)
+    fastest: dict[tuple[str, int], tuple[float, dict]] = {}
+    for (case, m, _), rows in latest.items():
+        us, config = min(rows, key=lambda r: r[0])
+        if (case, m) not in fastest or us < fastest[(case, m)][0]:
+            fastest[(case, m)] = (us, config)
     tables: dict[str, dict[int, dict]] = {}
-    for (case, m), (_, config) in fastest.items():
+    for (case, m), (_, config) in sorted(fastest.items()):
         tables.setdefault(case, {})[m] = config
     return tables
 

@@ -36,6 +36,12 @@ def main() -> None:
         action="store_true",
         help="time only the weight-major configs, plus the shipped config of each M as the baseline",
     )
+    parser.add_argument(
+        "--only-shipped",
+        action="store_true",
+        help="time only the shipped config of each M (the nearest M's where none): an A/B of two code versions",
+    )
+    parser.add_argument("--no-checks", action="store_true", help="skip the correctness checks before the timings")
     args = parser.parse_args()
     from repack.runtime.fused_moe import fused_moe
 
@@ -43,9 +49,9 @@ def main() -> None:
     for case in (c for c in CASES if c.name in args.cases.split(",")):
         expert_bytes = 3 * case.hidden * case.inter / 2
         stacks = random_stack(case.experts, case.hidden, case.inter, rotation(expert_bytes * case.top_k))
-        for dtype in (torch.float16, torch.bfloat16):
+        for dtype in () if args.no_checks else (torch.float16, torch.bfloat16):
             log(f"check {case.name} {dtype}: {check_case(case, dtype, stacks[0]):.2e} (heuristic)")
-            for cfg in (MMA[5], DECODE[2], DECODE[3], dict(MMA[5], SCALE_ACC=False), WEIGHT_MAJOR[6]):
+            for cfg in (MMA[5], DECODE[2], DECODE[3], dict(MMA[5], SCALE_ACC=False), WEIGHT_MAJOR[6], WEIGHT_MAJOR[7]):
                 log(f"check {case.name} {dtype} {cfg}: {check_case(case, dtype, stacks[0], dict(cfg)):.2e}")
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, case.hidden, device="cuda", dtype=torch.float16)
@@ -54,10 +60,11 @@ def main() -> None:
             out = torch.empty_like(x)
             timings = []
             candidates = candidate_configs(m, case.top_k, case.experts, stacks[0].word_order)
-            if args.only_weight_major:
+            if args.only_weight_major or args.only_shipped:
                 shipped = load_configs(case.experts, case.inter, device_name("cuda")) or {}
                 nearest = [shipped[min(shipped, key=lambda k: abs(k - m))]] if shipped else []
-                candidates = nearest + [c for c in candidates if c.get("WEIGHT_MAJOR")]
+                weight_major = [] if args.only_shipped else [c for c in candidates if c.get("WEIGHT_MAJOR")]
+                candidates = nearest + weight_major
             for c in candidates:
 
                 def run(c=c, x=x, ids=ids, w=w, out=out, stacks=stacks):

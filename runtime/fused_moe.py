@@ -418,24 +418,28 @@ def _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, 
     x_in = weight_major.nibble_major(x) if nibble_major_x else x
     flags = {k: v for k, v in common.items() if k != "BITS"}
     scale_acc = bool(cfg.pop("SCALE_ACC", True))
+    quant_ahead = bool(cfg.pop("QUANT_AHEAD", False))
     cfg = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")}  # BLOCK_K is 128
     if common["ACT_DTYPE"] == tl.bfloat16 and not scale_acc and not BF16_SCALES_IN_WEIGHTS:
         # Exact bf16: the scale applied in fp32 (SCALE_ACC); its second accumulator would double the registers of a
         # tile chosen for fp16 (spills), so the tile gives up half its rows instead.
         scale_acc = True
         cfg["BLOCK_N"] = max(32, cfg["BLOCK_N"] // 2)
-    flags.update(SCALE_ACC=scale_acc, DIRECT=direct, MMA_ORDER=mma_order)
+    # Inline PTX (one LOP3 per two weights) where the kernels are compiled for an NVIDIA GPU, not interpreted.
+    inline_ptx = x.is_cuda and torch.version.hip is None
+    flags.update(SCALE_ACC=scale_acc, DIRECT=direct, MMA_ORDER=mma_order, QUANT_AHEAD=quant_ahead,
+                 INLINE_PTX=inline_ptx)  # fmt: skip
     row_args = [*row_ptrs, ids, num_pairs, num_pid_m, weights.num_experts]
     w13, w2 = weights.w13_qweight, weights.w2_qweight
-    args13 = [x_in, w13, weights.w13_scales, zeros13, perm, inter, *row_args, n_inter, h, weights.group_len(h),
-              x_in.stride(0), w13.stride(0), w13.stride(1), weights.w13_scales.stride(0),
-              weights.w13_scales.stride(1), inter.stride(0)]  # fmt: skip
-    flags13 = dict(flags, HAS_PERM=has_perm, NIBBLE_MAJOR_X=nibble_major_x)
+    args13 = [x_in, w13, weights.w13_scales, zeros13, perm, inter, *row_args, n_inter, h, x_in.stride(0), w13.stride(0),
+              w13.stride(1), weights.w13_scales.stride(0), weights.w13_scales.stride(1), inter.stride(0)]  # fmt: skip
+    flags13 = dict(flags, HAS_PERM=has_perm, NIBBLE_MAJOR_X=nibble_major_x, GROUP_LEN=weights.group_len(h))
     _launch(weight_major._w13_weight_major_kernel, num_pid_m, n_inter, args13, flags13, cfg, x.device)
-    args2 = [inter, w2, weights.w2_scales, zeros2, route_w, target, *row_args, h, n_inter,
-             weights.group_len(n_inter), inter.stride(0), w2.stride(0), w2.stride(1), weights.w2_scales.stride(0),
-             weights.w2_scales.stride(1), target.stride(0)]  # fmt: skip
-    _launch(weight_major._w2_weight_major_kernel, num_pid_m, h, args2, dict(flags, ATOMIC=atomic), cfg, x.device)
+    args2 = [inter, w2, weights.w2_scales, zeros2, route_w, target, *row_args, h, n_inter, inter.stride(0),
+             w2.stride(0), w2.stride(1), weights.w2_scales.stride(0), weights.w2_scales.stride(1),
+             target.stride(0)]  # fmt: skip
+    flags2 = dict(flags, ATOMIC=atomic, GROUP_LEN=weights.group_len(n_inter))
+    _launch(weight_major._w2_weight_major_kernel, num_pid_m, h, args2, flags2, cfg, x.device)
 
 
 def _fit_blocks(cfg: dict, weights: MoeWeights) -> dict:

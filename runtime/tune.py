@@ -71,8 +71,19 @@ _WEIGHT_MAJOR_TILES = (  # BLOCK_M (tokens), BLOCK_N (w2 rows; w13 channels), GR
     (128, 128, 8, 8, 3),
 )
 WEIGHT_MAJOR_CONFIGS = [  # BLOCK_K is fixed at 128 by these kernels (runtime/weight_major.py)
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=g, num_warps=w, num_stages=st, WEIGHT_MAJOR=True, SCALE_ACC=False)
+    dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=128,
+        GROUP_M=g,
+        num_warps=w,
+        num_stages=st,
+        WEIGHT_MAJOR=True,
+        SCALE_ACC=False,
+        QUANT_AHEAD=ahead,
+    )
     for bm, bn, g, w, st in _WEIGHT_MAJOR_TILES
+    for ahead in (False, True)  # scales a K step ahead: faster on some tiles, a layout conversion on others
 ]
 WEIGHT_MAJOR_DIRECT_CONFIGS = [  # decode: one block per (token, expert) pair, no alignment launch
     dict(

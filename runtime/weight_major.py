@@ -77,22 +77,51 @@ def _nibble_weights(words, zero_f, scale, s: tl.constexpr, ACT_DTYPE: tl.constex
 
 
 @triton.jit
-def _pair_weights(words, zero_f, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr):
+def _mask_or(words, MASK: tl.constexpr, MAGIC: tl.constexpr, INLINE_PTX: tl.constexpr):
+    """``(words & MASK) | MAGIC`` as one LOP3 per 32-bit word.
+
+    Written as ``&`` then ``|``, ptxas emits two LOP3s (SASS has one immediate slot and it does not hoist the other
+    into a register); with mask and magic as kernel arguments it is one, but Triton then stopped rematerialising the
+    dequantization in the MMA operand layout and sent every dequantized weight through shared memory. PTX ``lop3``
+    with both immediates gives the one LOP3 and keeps the layout (SASS per K step of the w2 kernel: 496 -> 395 with
+    the rest of this change). The interpreter cannot run PTX: ``INLINE_PTX`` is False there."""
+    if INLINE_PTX:
+        return tl.inline_asm_elementwise(
+            f"lop3.b32 $0, $1, {MASK}, {MAGIC}, 0xEA;", "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1
+        )
+    return (words & MASK) | MAGIC
+
+
+@triton.jit
+def _pair_weights(words, zero_f, zero_odd, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
+                  INLINE_PTX: tl.constexpr):  # fmt: skip
     """Chunk ``4g + i`` of ``mma128`` words [rows, 8] (half ``g`` of a K step) as a [rows, 16] MMA operand.
 
-    One mask and OR per two weights: fields ``i`` and ``4 + i`` of word ``m`` are inputs ``2m`` and ``2m + 1``
-    of the chunk, and land as the low and high fp16 (or bf16) of one 32-bit value; join + reshape puts them
-    side by side along K without moving them. Then as :func:`_nibble_weights`.
+    One LOP3 per two weights: fields ``i`` and ``4 + i`` of word ``m`` are inputs ``2m`` and ``2m + 1`` of the chunk,
+    and ``(w & mask) | magic`` (:func:`_mask_or`) lands them as the low and high fp16 (or bf16) of one 32-bit value;
+    join + reshape puts them side by side along K without moving them.
+
+    fp16 saves the shifts too: an odd chunk's fields sit four bits up, where the mask keeps them as ``1024 + 16q``,
+    and ``v / 16 - (64 + zero)`` is ``q - zero`` exactly (one HFMA2, as the even chunks' ``v - (1024 + zero)`` is one
+    HADD2); chunks 2 and 3 share one shift by 8. bf16 has three mantissa bits fewer, so ``16q`` would reach its
+    exponent: every chunk is shifted down to bits 0..3 and 16..19 first.
     """
     if tl.float16 == ACT_DTYPE:
-        both = ((words >> (4 * i)) & 0x000F000F) | 0x64006400
+        src = words if i < 2 else words >> 8
+        both = _mask_or(src, 0x00F000F0 if i % 2 == 1 else 0x000F000F, 0x64006400, INLINE_PTX)
         lo = (both & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
         hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        both = ((words >> (4 * i)) & 0x000F000F) | 0x43004300
+        both = _mask_or(words >> (4 * i), 0x000F000F, 0x43004300, INLINE_PTX)
         lo = (both & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
         hi = (both >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return _unbias(tl.reshape(tl.join(lo, hi), (words.shape[0], 16)), zero_f, scale, ACT_DTYPE, SCALE_ACC)
+    biased = tl.reshape(tl.join(lo, hi), (words.shape[0], 16))
+    if tl.float16 == ACT_DTYPE and i % 2 == 1:
+        w = biased * 0.0625 - zero_odd[:, None]
+        if not SCALE_ACC:
+            w = w * scale[:, None].to(ACT_DTYPE)
+        return w
+    return _unbias(biased, zero_f, scale, ACT_DTYPE, SCALE_ACC)
 
 
 @triton.jit
@@ -157,32 +186,46 @@ def _activation_columns(k0, c: tl.constexpr, offs_j, perm_row_ptr, HAS_PERM: tl.
 
 
 @triton.jit
-def _step_quant(scales_ptr, zeros_ptr, rows, k0, group_len, stride_s_g, row_mask, HAS_ZEROS: tl.constexpr,
-                SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
-    """(scale, zero bias) of the rows for the group holding K step ``k0``."""
-    group = k0 // group_len
+def _step_quant(scales_ptr, zeros_ptr, rows, k0, stride_s_g, row_mask, GROUP_LEN: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
+    """(scale, zero bias, odd-chunk zero bias ``64 + zero``) of the rows for the group holding K step ``k0``.
+
+    ``GROUP_LEN`` is a compile-time constant: a division by a run-time group length cost ~25 instructions per step."""
+    group = k0 // GROUP_LEN
     scale = tl.load(scales_ptr + group * stride_s_g + rows, mask=row_mask, other=0.0)
     if HAS_ZEROS:
         zero = tl.load(zeros_ptr + group * stride_s_g + rows, mask=row_mask, other=0).to(tl.int32)
     else:
         zero = tl.full(rows.shape, SYM_ZERO, tl.int32)
-    return scale, _zero_bias(zero, ACT_DTYPE)
+    return scale, _zero_bias(zero, ACT_DTYPE), (zero + 64).to(tl.float16)
 
 
 @triton.jit
-def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pair_mask, K, group_len, stride_s_g,
-            HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
-            HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr):  # fmt: skip
+def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pair_mask, K, stride_s_g,
+            GROUP_LEN: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr,
+            SCALE_ACC: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr,
+            QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr):  # fmt: skip
     """acc [rows, BLOCK_M] += W[rows, :] @ A[:, pairs]: the K loop both GEMMs share.
 
     ``w_ptrs`` [rows, 8] (mma128: half a K step per load) or [rows, 16] (gptq) int32 words of the first step;
     ``a_cols`` [1, BLOCK_M] the activation rows of the block's pairs. SCALE_ACC: exact ``q - zero`` weights,
     the K step's sum scaled once per row in fp32 (bf16); else fp16 weights scaled as dequantized.
+
+    QUANT_AHEAD loads scales and zeros one step ahead: the pipeliner stages only the loads that feed a dot, so a
+    scale loaded in the step that uses it waits on a global load every step. The loop-carried scale costs a layout
+    conversion, though, and on some tiles (w2 with 64 rows on 4 warps, bf16 w13) it made Triton send every
+    dequantized weight through shared memory: the tuner chooses.
     """
     offs_j = tl.arange(0, 16)
+    scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, 0, stride_s_g, row_mask, GROUP_LEN, HAS_ZEROS,
+                                          SYM_ZERO, ACT_DTYPE)  # fmt: skip
     for k0 in range(0, K, 128):
-        scale, zero_f = _step_quant(scales_e, zeros_e, rows, k0, group_len, stride_s_g, row_mask, HAS_ZEROS,
-                                    SYM_ZERO, ACT_DTYPE)  # fmt: skip
+        if QUANT_AHEAD:
+            next_quant = _step_quant(scales_e, zeros_e, rows, tl.minimum(k0 + 128, K - 128), stride_s_g, row_mask,
+                                     GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE)  # fmt: skip
+        else:
+            scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, k0, stride_s_g, row_mask, GROUP_LEN,
+                                                  HAS_ZEROS, SYM_ZERO, ACT_DTYPE)  # fmt: skip
         part = tl.zeros(acc.shape, dtype=tl.float32) if SCALE_ACC else acc
         if MMA_ORDER:
             low = tl.load(w_ptrs, mask=row_mask[:, None], other=0)  # chunks 0..3
@@ -191,7 +234,8 @@ def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pa
                 cols = _activation_columns(k0, c, offs_j, perm_row, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X)
                 at = tl.load(a_cols + cols[:, None], mask=pair_mask[None, :], other=0.0)
                 words = low if c < 4 else high
-                part = tl.dot(_pair_weights(words, zero_f, scale, c % 4, ACT_DTYPE, SCALE_ACC), at, part)
+                weights = _pair_weights(words, zero_f, zero_odd, scale, c % 4, ACT_DTYPE, SCALE_ACC, INLINE_PTX)
+                part = tl.dot(weights, at, part)
         else:
             words = tl.load(w_ptrs, mask=row_mask[:, None], other=0)
             for s in tl.static_range(8):
@@ -199,6 +243,8 @@ def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pa
                 at = tl.load(a_cols + cols[:, None], mask=pair_mask[None, :], other=0.0)
                 part = tl.dot(_nibble_weights(words, zero_f, scale, s, ACT_DTYPE, SCALE_ACC), at, part)
         acc = acc + part * scale.to(tl.float32)[:, None] if SCALE_ACC else part
+        if QUANT_AHEAD:
+            scale, zero_f, zero_odd = next_quant
         w_ptrs += 16
     return acc
 
@@ -207,11 +253,12 @@ def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pa
 def _w13_weight_major_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
     sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr,
-    num_pairs, num_pid_m, num_experts, N, K, group_len,
+    num_pairs, num_pid_m, num_experts, N, K,
     stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
-    TOP_K: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
-    DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    SCALE_ACC: tl.constexpr, DIRECT: tl.constexpr, QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, p] = silu(gate . x) * (up . x) for the pairs of one block and BLOCK_N output positions ``p``.
 
@@ -236,8 +283,9 @@ def _w13_weight_major_kernel(
     acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
     x_cols = x_ptr + tokens[None, :] * stride_x
     acc = _k_loop(acc, w_ptrs, x_cols, perm_ptr + expert * K, scales_ptr + expert * stride_s_e,
-                  zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K, group_len, stride_s_g, HAS_ZEROS,
-                  SYM_ZERO, ACT_DTYPE, SCALE_ACC, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X)  # fmt: skip
+                  zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K, stride_s_g, GROUP_LEN, HAS_ZEROS,
+                  SYM_ZERO, ACT_DTYPE, SCALE_ACC, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X, QUANT_AHEAD,
+                  INLINE_PTX)  # fmt: skip
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
     act = gate / (1.0 + tl.exp(-gate)) * up
     offs_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -249,11 +297,13 @@ def _w13_weight_major_kernel(
 def _w2_weight_major_kernel(
     inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
     sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr,
-    num_pairs, num_pid_m, num_experts, N, K, group_len,
+    num_pairs, num_pid_m, num_experts, N, K,
     stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
-    TOP_K: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, MMA_ORDER: tl.constexpr,
+    TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
     ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, SCALE_ACC: tl.constexpr, DIRECT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]; ``inter`` as the w13 kernel wrote it."""
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -269,8 +319,8 @@ def _w2_weight_major_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = _k_loop(acc, w_ptrs, inter_ptr + pairs[None, :].to(tl.int64) * stride_inter, inter_ptr,
                   scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K,
-                  group_len, stride_s_g, HAS_ZEROS, SYM_ZERO, ACT_DTYPE, SCALE_ACC, False, MMA_ORDER,
-                  True)  # fmt: skip
+                  stride_s_g, GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE, SCALE_ACC, False, MMA_ORDER, True,
+                  QUANT_AHEAD, INLINE_PTX)  # fmt: skip
     route_w = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)
     acc = acc * route_w[None, :]
     mask = row_mask[:, None] & pair_mask[None, :]

@@ -221,6 +221,7 @@ def test_weight_major_config_on_a_stack_it_cannot_run_uses_the_other_kernels(dev
 MMA128_CASES = [
     (GptqScheme(4, 128, True, "gptq"), False, 24, 2, WEIGHT_MAJOR),
     (GptqScheme(4, 128, False, "gptq"), True, 24, 2, dict(WEIGHT_MAJOR, SCALE_ACC=False, BLOCK_M=32, BLOCK_N=128)),
+    (GptqScheme(4, 128, True, "gptq"), False, 24, 2, dict(WEIGHT_MAJOR, SCALE_ACC=False, QUANT_AHEAD=True)),
     (GptqScheme(4, -1, False, "gptq_v2"), False, 20, 3, dict(BIG, BLOCK_K=128, REDUCE="atomic")),
     (GptqScheme(4, 128, False, "gptq"), True, 3, 2, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True)),
     (GptqScheme(4, 128, True, "gptq"), False, 2, 3, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True, REDUCE="atomic")),
@@ -230,7 +231,14 @@ MMA128_CASES = [
 @pytest.mark.parametrize(
     ("scheme", "act_order", "m", "top_k", "config"),
     MMA128_CASES,
-    ids=["sym-g128", "asym-actorder-fp16-scales", "asym-per-channel-any-config", "direct-actorder", "direct-atomic"],
+    ids=[
+        "sym-g128",
+        "asym-actorder-fp16-scales",
+        "sym-scales-a-step-ahead",
+        "asym-per-channel-any-config",
+        "direct-actorder",
+        "direct-atomic",
+    ],
 )
 def test_mma128_word_order_on_the_weight_major_kernels(device, scheme, act_order, m, top_k, config):
     """mma128 words (what the converter writes for g128 stacks): the weight-major kernels read them for every

@@ -88,7 +88,8 @@ def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) ->
         direct = bool(cfg.get("DIRECT"))
         wm = {k: v for k, v in common.items() if k not in ("BITS", "EVEN_K")}
         wm.update(SCALE_ACC=cfg.get("SCALE_ACC", True), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  GROUP_M=cfg["GROUP_M"], DIRECT=direct, MMA_ORDER=mma_order)  # fmt: skip
+                  GROUP_M=cfg["GROUP_M"], DIRECT=direct, MMA_ORDER=mma_order, GROUP_LEN=128, INLINE_PTX=True,
+                  QUANT_AHEAD=cfg.get("QUANT_AHEAD", False))  # fmt: skip
         flags13 = {**wm, "HAS_PERM": asym, "NIBBLE_MAJOR_X": not (asym or direct or mma_order)}
         w13 = _compile(_w13_weight_major_kernel, types, flags13, *launch)
         w2 = _compile(_w2_weight_major_kernel, types2, {**wm, "ATOMIC": atomic}, *launch)
