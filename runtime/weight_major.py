@@ -83,7 +83,7 @@ def _mask_or(words, MASK: tl.constexpr, MAGIC: tl.constexpr, INLINE_PTX: tl.cons
     Written as ``&`` then ``|``, ptxas emits two LOP3s (SASS has one immediate slot and it does not hoist the other
     into a register); with mask and magic as kernel arguments it is one, but Triton then stopped rematerialising the
     dequantization in the MMA operand layout and sent every dequantized weight through shared memory. PTX ``lop3``
-    with both immediates gives the one LOP3 and keeps the layout (SASS per K step of the w2 kernel: 496 -> 395 with
+    with both immediates gives the one LOP3 and keeps the layout (SASS per K step of the w2 kernel: 496 -> 385 with
     the rest of this change). The interpreter cannot run PTX: ``INLINE_PTX`` is False there."""
     if INLINE_PTX:
         return tl.inline_asm_elementwise(
