@@ -109,18 +109,13 @@ def _pair_weights(words, zero_f, zero_odd, scale, i: tl.constexpr, ACT_DTYPE: tl
     if tl.float16 == ACT_DTYPE:
         src = words if i < 2 else words >> 8
         both = _mask_or(src, 0x00F000F0 if i % 2 == 1 else 0x000F000F, 0x64006400, INLINE_PTX)
-        lo = (both & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     else:
         both = _mask_or(words >> (4 * i), 0x000F000F, 0x43004300, INLINE_PTX)
-        lo = (both & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (both >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    lo = (both & 0xFFFF).to(tl.int16).to(ACT_DTYPE, bitcast=True)
+    hi = (both >> 16).to(tl.int16).to(ACT_DTYPE, bitcast=True)
     biased = tl.reshape(tl.join(lo, hi), (words.shape[0], 16))
     if tl.float16 == ACT_DTYPE and i % 2 == 1:
-        w = biased * 0.0625 - zero_odd[:, None]
-        if not SCALE_ACC:
-            w = w * scale[:, None].to(ACT_DTYPE)
-        return w
+        return _unbias(biased * 0.0625, zero_odd, scale, ACT_DTYPE, SCALE_ACC)  # 1024 + 16q -> 64 + q, exact
     return _unbias(biased, zero_f, scale, ACT_DTYPE, SCALE_ACC)
 
 
@@ -217,8 +212,9 @@ def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pa
     dequantized weight through shared memory: the tuner chooses.
     """
     offs_j = tl.arange(0, 16)
-    scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, 0, stride_s_g, row_mask, GROUP_LEN, HAS_ZEROS,
-                                          SYM_ZERO, ACT_DTYPE)  # fmt: skip
+    if QUANT_AHEAD:
+        scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, 0, stride_s_g, row_mask, GROUP_LEN, HAS_ZEROS,
+                                              SYM_ZERO, ACT_DTYPE)  # fmt: skip
     for k0 in range(0, K, 128):
         if QUANT_AHEAD:
             next_quant = _step_quant(scales_e, zeros_e, rows, tl.minimum(k0 + 128, K - 128), stride_s_g, row_mask,
