@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from repack.formats.repack_v1 import from_word_order
+from repack.formats.stacks import from_word_order
 from repack.runtime.moe_block import JOINED, SEPARATE, MoeBlock
-from repack.runtime.router_reference import SOFTMAX_TOPK, RouterSpec
+from repack.runtime.routers import SOFTMAX_TOPK, RouterSpec
 from repack.runtime.tune import random_stack, time_graph
 from repack.runtime.weights import TENSOR_FIELDS, MoeWeights
 
@@ -137,7 +137,7 @@ def random_inputs(case: Case, dtype, m: int, device) -> tuple[torch.Tensor, torc
 def check_case(case: Case, dtype, stack, config: dict | None = None) -> float:
     """Worst relative error of route+fused_moe vs a float32 reference over CHECK_M (random weights)."""
     from repack.runtime.fused_moe import fused_moe
-    from repack.runtime.routing import route
+    from repack.runtime.kernels.routing import route
 
     worst = 0.0
     for m in CHECK_M:
@@ -152,7 +152,7 @@ def check_case(case: Case, dtype, stack, config: dict | None = None) -> float:
 def check_block(case: Case, dtype, blocks: dict[str, MoeBlock], ms=CHECK_M) -> dict[str, float]:
     """Worst relative error of each mode's block (after routing) vs a float32 reference of routed experts plus
     gated shared chunks, built without MoeBlock's own id and weight construction."""
-    from repack.runtime.routing import route
+    from repack.runtime.kernels.routing import route
 
     joined = blocks[JOINED]
     device = joined.routed.w13_qweight.device
@@ -219,7 +219,7 @@ def dequantize_all(stack, experts: int, dtype) -> tuple[torch.Tensor, torch.Tens
 def bench_m(case: Case, dtype, m: int, blocks: list[dict[str, MoeBlock]], fp16_weights, bandwidth: float) -> dict:
     """Time routed experts, the whole block in each shared mode and the cuBLAS baseline at one token count."""
     from repack.runtime.fused_moe import fused_moe
-    from repack.runtime.routing import route
+    from repack.runtime.kernels.routing import route
 
     x, logits = random_inputs(case, dtype, m, "cuda")
     routed_out, cublas_out = (torch.empty(m, case.hidden, dtype=dtype, device="cuda") for _ in range(2))

@@ -1,6 +1,6 @@
 """Probe: how fast does an H200 stream int4 weights read the way the decode kernels read them?
 
-The decode kernels (runtime/decode_kernels.py, runtime/weight_major.py DIRECT) give each program BLOCK_N rows of
+The decode kernels (runtime/kernels/decode.py, runtime/kernels/weight_major.py DIRECT) give each program BLOCK_N rows of
 an output-major [rows, K/8] int32 stack and walk K in steps of 16 words: every step reads 64 bytes from each of
 BLOCK_N rows that lie H/2 bytes apart. Both kernels stall near 1.2 TB/s at M=1. This probe times that access
 pattern alone (XOR of the words, nothing else) against reads whose per-step tile is contiguous (a tiled layout)

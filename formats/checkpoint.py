@@ -1,7 +1,7 @@
 """The file side of the format: read and write (sharded) safetensors checkpoints, and read our config.
 
 Both the converter and the runtime loader use this module, so it imports nothing from the CLI. Errors
-are :class:`repack.errors.RepackError` with one line that names the file and says what to do.
+are :class:`repack.formats.errors.RepackError` with one line that names the file and says what to do.
 
 - :class:`CheckpointReader` opens a single ``model.safetensors`` or an indexed sharded checkpoint lazily:
   it parses only the safetensors headers to list names, shapes, dtypes and file offsets, and
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from repack.errors import RepackError
+from repack.formats.errors import RepackError
 
-from .repack_v1 import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo
+from .stacks import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo
 
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

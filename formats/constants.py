@@ -1,7 +1,7 @@
 """The repack-moe format as constants: names, versions and word orders (formats/SPEC.md).
 
 Kept free of torch so that tools that only name files or check versions (the CLI's startup, `repack push`)
-do not pay for importing it; formats/repack_v1.py re-exports every name.
+do not pay for importing it; formats/stacks.py re-exports every name.
 """
 
 FORMAT_NAME = "repack-moe"

@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from repack.errors import RepackError
+from repack.formats.errors import RepackError
 
 app = typer.Typer(
     name="repack",

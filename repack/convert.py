@@ -38,11 +38,11 @@ from rich.progress import (
 )
 
 from repack import __version__
-from repack.errors import RepackError
 from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, ShardedWriter, WrittenFile, write_json
+from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero_points, write_zero_points
 from repack.formats.hashing import HASH_CHUNK, hash_file
-from repack.formats.repack_v1 import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
+from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
 from repack.source import SourceCheckpoint, resolve_source
 
@@ -304,7 +304,7 @@ def symmetric_qzeros_word(scheme: GptqScheme) -> torch.Tensor:
 
 
 def stream_pack_stack(reader: CheckpointReader, step: PackStack) -> Iterator[tuple[str, torch.Tensor]]:
-    """Check one stack's source experts, then yield its output pieces in file order (formats.repack_v1).
+    """Check one stack's source experts, then yield its output pieces in file order (formats.stacks).
 
     Only the small tensors of all experts are held; each qweight is read when its expert is packed.
     """

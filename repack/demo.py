@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
 
-from repack.errors import RepackError
+from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, dequantize
 
 BLOCK_TOLERANCE = 5e-3  # relative, runtime MoE block vs float32 source reference (tests/test_moe_block.py)
@@ -80,7 +80,7 @@ def interpreter_active() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     fused = importlib.import_module("repack.runtime.fused_moe")  # the package exports a function of that name
-    linear = importlib.import_module("repack.runtime.gptq_linear")
+    linear = importlib.import_module("repack.runtime.kernels.gptq_linear")
     return isinstance(fused._w13_kernel, InterpretedFunction) and isinstance(
         linear._gptq_linear_kernel, InterpretedFunction
     )

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from repack.errors import RepackError
+from repack.formats.errors import RepackError
 from repack.formats.gptq import LINEAR_SUFFIXES
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")

@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 
 from repack.formats.checkpoint import read_repack_config
-from repack.formats.repack_v1 import MANIFEST_FILE, StackInfo
+from repack.formats.stacks import MANIFEST_FILE, StackInfo
 
 
 def _size(nbytes: int) -> str:

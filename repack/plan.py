@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from rich.table import Table
 
-from repack.errors import RepackError
 from repack.families import MoeLayer, detect_family, find_moe_layers
 from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, PlannedTensor
+from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear
-from repack.formats.repack_v1 import (
+from repack.formats.quant_config import QuantConfig, parse_quant_config
+from repack.formats.stacks import (
     INDEX_FILE,
     MANIFEST_FILE,
     ROUTED,
@@ -27,7 +28,6 @@ from repack.formats.repack_v1 import (
     joinable,
     plan_flags,
 )
-from repack.quant_config import QuantConfig, parse_quant_config
 from repack.source import SourceCheckpoint
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
@@ -67,7 +67,7 @@ class PackStack:
         return [self]
 
     def planned_tensors(self) -> list[PlannedTensor]:
-        """The stack's tensors in the order the converter writes them (formats.repack_v1.iter_pack_stack's)."""
+        """The stack's tensors in the order the converter writes them (formats.stacks.iter_pack_stack's)."""
         outputs = self.outputs.items()
         return [PlannedTensor(name, _SAFETENSORS_CODE[dtype], tuple(shape)) for name, (shape, dtype) in outputs]
 
@@ -79,7 +79,7 @@ class JoinedStacks:
 
     Why: the runtime can then view each pair as one ``[E + C, ...]`` tensor and run the whole MoE block, routed
     experts and shared chunks, in one fused_moe call without copying a byte at load. Only for stacks that
-    ``formats.repack_v1.joinable`` accepts (same scheme, tensors and per-expert shapes).
+    ``formats.stacks.joinable`` accepts (same scheme, tensors and per-expert shapes).
     """
 
     routed: PackStack

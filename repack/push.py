@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 from repack.card import is_generated_card, render_model_card
-from repack.errors import RepackError
 from repack.formats.constants import CARD_FILE, MANIFEST_FILE, SUPPORTED_FORMAT_VERSIONS
+from repack.formats.errors import RepackError
 from repack.formats.hashing import hash_file
 
 MANIFEST_NAME = MANIFEST_FILE

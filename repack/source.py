@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repack.errors import RepackError
 from repack.formats.checkpoint import CONFIG_FILE, read_config
+from repack.formats.errors import RepackError
 
 QUANTIZE_CONFIG_FILE = "quantize_config.json"
 HUB_ALLOW_PATTERNS = [

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from repack.errors import RepackError
+from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, dtype_name
 from repack.synthetic_linear import quantize_linear
 

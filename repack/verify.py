@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from repack.errors import RepackError
 from repack.formats.checkpoint import CheckpointReader, read_repack_config
+from repack.formats.errors import RepackError
 from repack.formats.hashing import hash_file
-from repack.formats.repack_v1 import CARD_FILE, MANIFEST_FILE, split_by_source, unpack_stack
+from repack.formats.stacks import CARD_FILE, MANIFEST_FILE, split_by_source, unpack_stack
 from repack.source import resolve_source
 
 

@@ -2,9 +2,9 @@
 
 ``fused_moe`` computes ``sum_k w[m,k] * W2[e] @ (silu(W1[e] x) * (W3[e] x))`` with ``e = topk_ids[m,k]``.
 
-Which kernels run: decode configs (``DIRECT``) take the CUDA-core kernels of runtime/decode_kernels.py (any
+Which kernels run: decode configs (``DIRECT``) take the CUDA-core kernels of runtime/kernels/decode.py (any
 word order); ``WEIGHT_MAJOR`` configs, and every tensor-core config on an mma128 stack, take the weight-major
-kernels of runtime/weight_major.py (the tuned default past decode); the kernels below serve the gptq-order
+kernels of runtime/kernels/weight_major.py (the tuned default past decode); the kernels below serve the gptq-order
 stacks those cannot run (groups under 128, K not a multiple of 128, 8-bit):
 
 - w13 kernel: one program per (row block, n tile) loads the gate rows ``n0..`` and the up rows ``I+n0..``
@@ -15,7 +15,7 @@ stacks those cannot run (groups under 128, K not a multiple of 128, 8-bit):
   (``REDUCE="atomic"``).
 - Rows: "direct" mode (decode) gives each pair its own block (one valid row, expert read from
   ``topk_ids``: no alignment launch); "aligned" mode sorts pairs by expert into BLOCK_M blocks
-  (runtime/align.py) so each weight tile is dequantised once per block of up to BLOCK_M tokens.
+  (runtime/kernels/align.py) so each weight tile is dequantised once per block of up to BLOCK_M tokens.
 - Dequantisation: the int32 words are viewed as int16 (4 nibbles of consecutive K each), a shift and a
   mask give the nibble, an OR with 0x6400 and a bitcast give the fp16 ``1024 + q`` with no int-to-float
   conversion, then ``(v - (1024 + zero)) * scale`` (the subtraction is exact, the product rounds once:
@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.errors import RepackError
-from repack.runtime import weight_major
-from repack.runtime.align import align_pairs, block_rows, tile_ids
-from repack.runtime.decode_kernels import _quant_params, _word_mask, run_decode
+from repack.formats.errors import RepackError
 from repack.runtime.kernel_config import fit_config, get_config
+from repack.runtime.kernels import weight_major
+from repack.runtime.kernels.align import align_pairs, block_rows, tile_ids
+from repack.runtime.kernels.decode import _quant_params, _word_mask, run_decode
 from repack.runtime.weights import MoeWeights
 
 
@@ -358,7 +358,7 @@ def fused_moe(
 
 
 def _run_aligned(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, cfg, device) -> None:
-    """Blocks of BLOCK_M pairs sharing an expert (runtime/align.py), tensor-core kernels above."""
+    """Blocks of BLOCK_M pairs sharing an expert (runtime/kernels/align.py), tensor-core kernels above."""
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, ids.numel()
     rows = align_pairs(ids, weights.num_experts, cfg["BLOCK_M"])
     num_pid_m = rows.max_blocks
@@ -400,7 +400,7 @@ def supports_weight_major(weights: MoeWeights) -> bool:
 
 
 def _run_weight_major(x, weights, ids, route_w, inter, target, zeros13, zeros2, perm, common, atomic, direct, cfg):
-    """The weight-major kernels (runtime/weight_major.py): weights as the MMA's register operand. mma128 stacks
+    """The weight-major kernels (runtime/kernels/weight_major.py): weights as the MMA's register operand. mma128 stacks
     read the activations as they are; aligned blocks of gptq-order stacks read them in nibble-major order (one
     copy of x; w13 writes the intermediate that way). DIRECT gives each pair its own block (no alignment) and
     gathers its few activations."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from triton.runtime.errors import OutOfResources
 
-from repack.errors import RepackError
+from repack.formats.errors import RepackError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -52,7 +52,7 @@ def direct_mode(num_pairs: int, num_experts: int) -> bool:
 def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
     """A safe config for untuned shapes, following what the H200 sweep picked for the tuned ones.
 
-    Past decode: the weight-major tensor-core kernels (runtime/weight_major.py), with a token tile that grows
+    Past decode: the weight-major tensor-core kernels (runtime/kernels/weight_major.py), with a token tile that grows
     with the rows each expert gets; fused_moe runs a stack they do not support on its older kernels instead.
     """
     num_pairs = num_tokens * top_k

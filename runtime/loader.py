@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from repack.errors import RepackError
 from repack.formats.checkpoint import CheckpointReader, read_repack_config, read_safetensors_header
-from repack.formats.repack_v1 import ROUTED, SHARED, StackInfo
+from repack.formats.errors import RepackError
+from repack.formats.stacks import ROUTED, SHARED, StackInfo
 from repack.runtime.moe_block import MoeBlock, resolve_shared_mode
 from repack.runtime.weights import MoeWeights, join_adjacent
 

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repack.errors import RepackError
-from repack.formats.repack_v1 import ROUTED, SHARED
-from repack.runtime.router_reference import DEEPSEEK_V3, SOFTMAX_TOPK, RouterSpec, route_reference, router_spec
+from repack.formats.errors import RepackError
+from repack.formats.stacks import ROUTED, SHARED
+from repack.runtime.routers import DEEPSEEK_V3, SOFTMAX_TOPK, RouterSpec, route_reference, router_spec
 from repack.runtime.weights import MoeWeights, join_adjacent
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class MoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights float32 [M, k], topk_ids int32 [M, k]) for tokens ``x`` [M, H]."""
         if self.spec.method == SOFTMAX_TOPK:
-            from repack.runtime.routing import route
+            from repack.runtime.kernels.routing import route
 
             logits = F.linear(x, self._as("gate", self.router_weight, x.dtype))
             return route(logits, self.spec.top_k, self.spec.renormalize)

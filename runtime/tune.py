@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from repack.errors import RepackError
-from repack.formats.repack_v1 import MMA128_ORDER, choose_word_order
+from repack.formats.errors import RepackError
+from repack.formats.stacks import MMA128_ORDER, choose_word_order
 from repack.runtime.fused_moe import fused_moe
 from repack.runtime.kernel_config import config_file_name, device_name, heuristic_config
 from repack.runtime.weights import MoeWeights
@@ -24,7 +24,7 @@ from repack.runtime.weights import MoeWeights
 TUNE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-DECODE_CONFIGS = [  # CUDA-core decode kernels (runtime/decode_kernels.py): tile, warps, prefetch depth, K slices
+DECODE_CONFIGS = [  # CUDA-core decode kernels (runtime/kernels/decode.py): tile, warps, prefetch depth, K slices
     dict(
         BLOCK_M=16,
         BLOCK_N=bn,
@@ -70,7 +70,7 @@ _WEIGHT_MAJOR_TILES = (  # BLOCK_M (tokens), BLOCK_N (w2 rows; w13 channels), GR
     (128, 128, 8, 8, 2),
     (128, 128, 8, 8, 3),
 )
-WEIGHT_MAJOR_CONFIGS = [  # BLOCK_K is fixed at 128 by these kernels (runtime/weight_major.py)
+WEIGHT_MAJOR_CONFIGS = [  # BLOCK_K is fixed at 128 by these kernels (runtime/kernels/weight_major.py)
     dict(
         BLOCK_M=bm,
         BLOCK_N=bn,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from repack.formats.repack_v1 import GPTQ_ORDER, MMA128_ORDER, STACK_TENSORS, StackInfo
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, STACK_TENSORS, StackInfo
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""How other libraries (transformers, vLLM) load converted checkpoints through the runtime."""

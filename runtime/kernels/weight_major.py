@@ -1,0 +1,328 @@
+"""Weight-major tensor-core kernels: the dequantized int4 weights are the MMA's A operand, tokens its N side.
+
+Hopper's wgmma takes A from registers and B from shared memory. With tokens on A (the usual orientation)
+every dequantized weight has to be stored to shared memory and read back before the MMA, element by element
+(what kept the kernels of fused_moe.py at a third of the fp16 kernel's throughput). Swapping the operands,
+``out^T = W @ x^T``, sends the weights words -> registers -> dequantized -> MMA: only the int4 words (by
+cp.async) and the activations go through shared memory, and the token side can be as narrow as 16 rows,
+so a block of a few tokens wastes no weight bytes.
+
+Each K step of 128 runs eight 16-deep dots on the words of that step, the unpacking elementwise in the
+registers the words were loaded into (shift, mask, exponent OR, fp16x2 subtract and multiply). How a dot's
+16 K values sit in the words depends on the stack's word order (SPEC.md section 3):
+
+- ``mma128`` (what the converter writes when it can): one ``(word >> 4i) & 0x000F000F | 0x64006400`` gives
+  an fp16x2 register holding inputs ``k, k + 1`` of chunk ``c = 4g + i``, exactly the pair a thread of the
+  wgmma A fragment holds, so one mask serves two weights and chunk c multiplies the contiguous activation
+  columns ``16c .. 16c + 15``: no activation reordering anywhere.
+- ``gptq`` (plain GPTQ order, field ``s`` of word ``j`` is input ``8j + s``): one dot per nibble position
+  ``s``; its columns ``k0 + 8j + s`` are read in *nibble-major* order, where position ``16s + j`` of each
+  128-block holds column ``8j + s``: w13 reads the hidden states through ``nibble_major`` (one copy per
+  call) and writes its intermediate in that order (a tile of output positions computes the channels those
+  positions hold; every weight row is its own contiguous run, so choosing rows costs nothing).
+
+Act-order stacks gather their activation columns through the permutation instead; DIRECT (decode) blocks
+gather their few tokens' columns and need no copy.
+
+Needs 4-bit weights, K % 128 == 0 for both GEMMs, and groups of a multiple of 128 (one scale row per K
+step); fused_moe runs other stacks on its other kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from repack.formats.stacks import MMA128_BLOCK, MMA128_ORDER, choose_word_order
+from repack.runtime.kernels.align import block_rows, tile_ids
+from repack.runtime.kernels.decode import _expert_of
+
+STEP_K = MMA128_BLOCK  # K values per step: 16 int32 words per row, eight 16-deep dots
+WORDS = STEP_K // 8
+
+
+def supports(bits: int, hidden_size: int, intermediate_size: int, group_size: int) -> bool:
+    """Whether these kernels can run a stack (else fused_moe uses its other tensor-core kernels): exactly the
+    stacks the converter writes in mma128 order, whose rule is this kernel's K step of 128 (SPEC.md section 3)."""
+    return choose_word_order(bits, hidden_size, intermediate_size, group_size) == MMA128_ORDER
+
+
+def nibble_major(x: torch.Tensor) -> torch.Tensor:
+    """[M, K] -> [M, K] with position ``128b + 16s + j`` holding column ``128b + 8j + s`` (a copy)."""
+    m, k = x.shape
+    return x.reshape(m, k // STEP_K, WORDS, 8).transpose(2, 3).reshape(m, k)
+
+
+@triton.jit
+def _channel_of(position):
+    """The channel stored at nibble-major position ``position`` (the inverse of ``nibble_major``'s order)."""
+    return position // 128 * 128 + position % 16 * 8 + position % 128 // 16
+
+
+@triton.jit
+def _nibble_weights(words, zero_f, scale, s: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr):
+    """Field ``s`` of each int32 word as an MMA operand: ``q - zero`` exactly (SCALE_ACC), else its fp16 product
+    with the scale (one rounding: GPTQModel's ``fp16(scale * (q - zero))``).
+
+    ``zero_f`` is ``1024 + zero`` (fp16) or ``128 + zero`` (bf16): OR-ing the nibble into the mantissa of 1024
+    (0x6400) or 128 (0x4300) makes ``bias + q`` without an int-to-float conversion, and the subtraction is exact.
+    """
+    q = (words >> (4 * s)) & 0xF
+    if tl.float16 == ACT_DTYPE:
+        biased = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        biased = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return _unbias(biased, zero_f, scale, ACT_DTYPE, SCALE_ACC)
+
+
+@triton.jit
+def _mask_or(words, MASK: tl.constexpr, MAGIC: tl.constexpr, INLINE_PTX: tl.constexpr):
+    """``(words & MASK) | MAGIC`` as one LOP3 per 32-bit word.
+
+    Written as ``&`` then ``|``, ptxas emits two LOP3s (SASS has one immediate slot and it does not hoist the other
+    into a register); with mask and magic as kernel arguments it is one, but Triton then stopped rematerialising the
+    dequantization in the MMA operand layout and sent every dequantized weight through shared memory. PTX ``lop3``
+    with both immediates gives the one LOP3 and keeps the layout (SASS per K step of the w2 kernel: 496 -> 385 with
+    the rest of this change). The interpreter cannot run PTX: ``INLINE_PTX`` is False there."""
+    if INLINE_PTX:
+        return tl.inline_asm_elementwise(
+            f"lop3.b32 $0, $1, {MASK}, {MAGIC}, 0xEA;", "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1
+        )
+    return (words & MASK) | MAGIC
+
+
+@triton.jit
+def _pair_weights(words, zero_f, zero_odd, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
+                  INLINE_PTX: tl.constexpr):  # fmt: skip
+    """Chunk ``4g + i`` of ``mma128`` words [rows, 8] (half ``g`` of a K step) as a [rows, 16] MMA operand.
+
+    One LOP3 per two weights: fields ``i`` and ``4 + i`` of word ``m`` are inputs ``2m`` and ``2m + 1`` of the chunk,
+    and ``(w & mask) | magic`` (:func:`_mask_or`) lands them as the low and high fp16 (or bf16) of one 32-bit value;
+    join + reshape puts them side by side along K without moving them.
+
+    fp16 saves the shifts too: an odd chunk's fields sit four bits up, where the mask keeps them as ``1024 + 16q``,
+    and ``v / 16 - (64 + zero)`` is ``q - zero`` exactly (one HFMA2, as the even chunks' ``v - (1024 + zero)`` is one
+    HADD2); chunks 2 and 3 share one shift by 8. bf16 has three mantissa bits fewer, so ``16q`` would reach its
+    exponent: every chunk is shifted down to bits 0..3 and 16..19 first.
+    """
+    if tl.float16 == ACT_DTYPE:
+        src = words if i < 2 else words >> 8
+        both = _mask_or(src, 0x00F000F0 if i % 2 == 1 else 0x000F000F, 0x64006400, INLINE_PTX)
+    else:
+        both = _mask_or(words >> (4 * i), 0x000F000F, 0x43004300, INLINE_PTX)
+    lo = (both & 0xFFFF).to(tl.int16).to(ACT_DTYPE, bitcast=True)
+    hi = (both >> 16).to(tl.int16).to(ACT_DTYPE, bitcast=True)
+    biased = tl.reshape(tl.join(lo, hi), (words.shape[0], 16))
+    if tl.float16 == ACT_DTYPE and i % 2 == 1:
+        return _unbias(biased * 0.0625, zero_odd, scale, ACT_DTYPE, SCALE_ACC)  # 1024 + 16q -> 64 + q, exact
+    return _unbias(biased, zero_f, scale, ACT_DTYPE, SCALE_ACC)
+
+
+@triton.jit
+def _unbias(biased, zero_f, scale, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr):
+    """``bias + q`` [rows, K] -> ``q - zero`` (exact), times the row's scale in the activation dtype unless SCALE_ACC
+    (which scales the K step's fp32 sum instead). In bf16 the fp16 scale is rounded to bf16 first, as serving stacks
+    that cast GPTQ scales to the model dtype do: 2^-9 relative per scale, where SCALE_ACC keeps it exact."""
+    w = biased - zero_f[:, None]
+    if not SCALE_ACC:
+        w = w * scale[:, None].to(ACT_DTYPE)
+    return w
+
+
+@triton.jit
+def _zero_bias(zero, ACT_DTYPE: tl.constexpr):
+    """``1024 + zero`` (fp16) or ``128 + zero`` (bf16): what the exponent trick leaves in each weight, plus its zero."""
+    if tl.float16 == ACT_DTYPE:
+        bias = (zero + 1024).to(tl.float16)
+    else:
+        bias = (zero + 128).to(tl.bfloat16)
+    return bias
+
+
+@triton.jit
+def _block_pairs(pid_m, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr, num_pairs, num_experts,
+                 BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+    """(pairs, pair mask, expert, whether the block exists) of row block ``pid_m``.
+
+    DIRECT (decode): block ``pid_m`` is pair ``pid_m`` alone, its expert read from ``topk_ids``, so no
+    alignment launch runs; its other BLOCK_M - 1 columns hold the sentinel ``num_pairs`` and are masked.
+    """
+    if DIRECT:
+        lane = tl.arange(0, BLOCK_M)
+        pairs = tl.where(lane == 0, pid_m, num_pairs)
+        expert = _expert_of(topk_ids_ptr, pid_m, num_experts)
+        live = pid_m < num_pairs
+    else:
+        pairs, _mask, expert = block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+        live = pid_m < tl.load(num_blocks_ptr)
+    return pairs, pairs < num_pairs, expert, live
+
+
+@triton.jit
+def _activation_columns(k0, c: tl.constexpr, offs_j, perm_row_ptr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
+                        NIBBLE_MAJOR_X: tl.constexpr):  # fmt: skip
+    """The [16] activation columns dot ``c`` of the K step at ``k0`` multiplies.
+
+    mma128: the contiguous inputs ``k0 + 16c + j``. gptq: inputs ``k0 + 8j + c`` (nibble ``c`` of each word),
+    contiguous at ``k0 + 16c + j`` when the activations are in nibble-major order, else gathered. Act-order:
+    gathered through the permutation, whose index is the input."""
+    if MMA_ORDER:
+        inputs = k0 + c * 16 + offs_j
+    else:
+        inputs = k0 + offs_j * 8 + c
+    if HAS_PERM:
+        cols = tl.load(perm_row_ptr + inputs)
+    elif NIBBLE_MAJOR_X and not MMA_ORDER:
+        cols = k0 + c * 16 + offs_j
+    else:
+        cols = inputs
+    return cols
+
+
+@triton.jit
+def _step_quant(scales_ptr, zeros_ptr, rows, k0, stride_s_g, row_mask, GROUP_LEN: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
+    """(scale, zero bias, odd-chunk zero bias ``64 + zero``) of the rows for the group holding K step ``k0``.
+
+    ``GROUP_LEN`` is a compile-time constant: a division by a run-time group length cost ~25 instructions per step."""
+    group = k0 // GROUP_LEN
+    scale = tl.load(scales_ptr + group * stride_s_g + rows, mask=row_mask, other=0.0)
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + group * stride_s_g + rows, mask=row_mask, other=0).to(tl.int32)
+    else:
+        zero = tl.full(rows.shape, SYM_ZERO, tl.int32)
+    return scale, _zero_bias(zero, ACT_DTYPE), (zero + 64).to(tl.float16)
+
+
+@triton.jit
+def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pair_mask, K, stride_s_g,
+            GROUP_LEN: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr,
+            SCALE_ACC: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr,
+            QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr):  # fmt: skip
+    """acc [rows, BLOCK_M] += W[rows, :] @ A[:, pairs]: the K loop both GEMMs share.
+
+    ``w_ptrs`` [rows, 8] (mma128: half a K step per load) or [rows, 16] (gptq) int32 words of the first step;
+    ``a_cols`` [1, BLOCK_M] the activation rows of the block's pairs. SCALE_ACC: exact ``q - zero`` weights,
+    the K step's sum scaled once per row in fp32 (bf16); else fp16 weights scaled as dequantized.
+
+    QUANT_AHEAD loads scales and zeros one step ahead: the pipeliner stages only the loads that feed a dot, so a
+    scale loaded in the step that uses it waits on a global load every step. The loop-carried scale costs a layout
+    conversion, though, and on some tiles (w2 with 64 rows on 4 warps, bf16 w13) it made Triton send every
+    dequantized weight through shared memory: the tuner chooses.
+    """
+    offs_j = tl.arange(0, 16)
+    if QUANT_AHEAD:
+        scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, 0, stride_s_g, row_mask, GROUP_LEN, HAS_ZEROS,
+                                              SYM_ZERO, ACT_DTYPE)  # fmt: skip
+    for k0 in range(0, K, 128):
+        if QUANT_AHEAD:
+            next_quant = _step_quant(scales_e, zeros_e, rows, tl.minimum(k0 + 128, K - 128), stride_s_g, row_mask,
+                                     GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE)  # fmt: skip
+        else:
+            scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, k0, stride_s_g, row_mask, GROUP_LEN,
+                                                  HAS_ZEROS, SYM_ZERO, ACT_DTYPE)  # fmt: skip
+        part = tl.zeros(acc.shape, dtype=tl.float32) if SCALE_ACC else acc
+        if MMA_ORDER:
+            low = tl.load(w_ptrs, mask=row_mask[:, None], other=0)  # chunks 0..3
+            high = tl.load(w_ptrs + 8, mask=row_mask[:, None], other=0)  # chunks 4..7
+            for c in tl.static_range(8):
+                cols = _activation_columns(k0, c, offs_j, perm_row, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X)
+                at = tl.load(a_cols + cols[:, None], mask=pair_mask[None, :], other=0.0)
+                words = low if c < 4 else high
+                weights = _pair_weights(words, zero_f, zero_odd, scale, c % 4, ACT_DTYPE, SCALE_ACC, INLINE_PTX)
+                part = tl.dot(weights, at, part)
+        else:
+            words = tl.load(w_ptrs, mask=row_mask[:, None], other=0)
+            for s in tl.static_range(8):
+                cols = _activation_columns(k0, s, offs_j, perm_row, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X)
+                at = tl.load(a_cols + cols[:, None], mask=pair_mask[None, :], other=0.0)
+                part = tl.dot(_nibble_weights(words, zero_f, scale, s, ACT_DTYPE, SCALE_ACC), at, part)
+        acc = acc + part * scale.to(tl.float32)[:, None] if SCALE_ACC else part
+        if QUANT_AHEAD:
+            scale, zero_f, zero_odd = next_quant
+        w_ptrs += 16
+    return acc
+
+
+@triton.jit
+def _w13_weight_major_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
+    sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr,
+    num_pairs, num_pid_m, num_experts, N, K,
+    stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+    TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    SCALE_ACC: tl.constexpr, DIRECT: tl.constexpr, QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """inter[pair, p] = silu(gate . x) * (up . x) for the pairs of one block and BLOCK_N output positions ``p``.
+
+    A position is the channel itself (mma128), or the channel a nibble-major position holds (gptq, so w2
+    reads its input contiguously). Gate and up rows of those channels form one [2*BLOCK_N, K] A operand
+    (one MMA chain per dot, not two); the epilogue splits the accumulator into its gate and up halves.
+    """
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pairs, pair_mask, expert, live = _block_pairs(pid_m, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+                                                  topk_ids_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)  # fmt: skip
+    if not live:
+        return
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_r = tl.arange(0, 2 * BLOCK_N)
+    positions = pid_n * BLOCK_N + offs_r % BLOCK_N
+    row_mask = positions < N
+    channels = positions if MMA_ORDER else _channel_of(positions)
+    rows = channels + offs_r // BLOCK_N * N  # gate rows, then the up rows of the same channels
+    WORDS_PER_LOAD: tl.constexpr = 8 if MMA_ORDER else 16
+    offs_w = tl.arange(0, WORDS_PER_LOAD)
+    w_ptrs = qw_ptr + expert * stride_qw_e + rows[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+    x_cols = x_ptr + tokens[None, :] * stride_x
+    acc = _k_loop(acc, w_ptrs, x_cols, perm_ptr + expert * K, scales_ptr + expert * stride_s_e,
+                  zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K, stride_s_g, GROUP_LEN, HAS_ZEROS,
+                  SYM_ZERO, ACT_DTYPE, SCALE_ACC, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X, QUANT_AHEAD,
+                  INLINE_PTX)  # fmt: skip
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    offs_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = inter_ptr + pairs[None, :].to(tl.int64) * stride_inter + offs_p[:, None]
+    tl.store(out_ptrs, act.to(ACT_DTYPE), mask=(offs_p < N)[:, None] & pair_mask[None, :])
+
+
+@triton.jit
+def _w2_weight_major_kernel(
+    inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
+    sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr,
+    num_pairs, num_pid_m, num_experts, N, K,
+    stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, SCALE_ACC: tl.constexpr, DIRECT: tl.constexpr,
+    QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]; ``inter`` as the w13 kernel wrote it."""
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pairs, pair_mask, expert, live = _block_pairs(pid_m, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+                                                  topk_ids_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)  # fmt: skip
+    if not live:
+        return
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    WORDS_PER_LOAD: tl.constexpr = 8 if MMA_ORDER else 16
+    offs_w = tl.arange(0, WORDS_PER_LOAD)
+    w_ptrs = qw_ptr + expert * stride_qw_e + rows[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = _k_loop(acc, w_ptrs, inter_ptr + pairs[None, :].to(tl.int64) * stride_inter, inter_ptr,
+                  scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K,
+                  stride_s_g, GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE, SCALE_ACC, False, MMA_ORDER, True,
+                  QUANT_AHEAD, INLINE_PTX)  # fmt: skip
+    route_w = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+    acc = acc * route_w[None, :]
+    mask = row_mask[:, None] & pair_mask[None, :]
+    if ATOMIC:
+        tokens = (pairs // TOP_K).to(tl.int64)
+        tl.atomic_add(out_ptr + tokens[None, :] * stride_out + rows[:, None], acc, mask=mask)
+    else:
+        out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_out + rows[:, None]
+        tl.store(out_ptrs, acc.to(ACT_DTYPE), mask=mask)

@@ -1,0 +1,1 @@
+"""Tests of the CLI, converter, verify, push and model card (the repack/ folder)."""

@@ -1,0 +1,67 @@
+"""Killing a conversion mid-run never leaves a complete-looking OUT (SIGINT, SIGTERM, SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from repack.convert import SLOW_LAYER_ENV
+from tests.support.fixtures import FIXTURES_DIR
+
+SRC = FIXTURES_DIR / "qwen2moe-g128-sym"
+
+
+def start_slow_convert(out):
+    env = dict(os.environ, **{SLOW_LAYER_ENV: "2"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "repack.cli", "convert", str(SRC), str(out), "--quiet", "--shard-size", "100kB"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_temp(out, proc, timeout=60.0):
+    """Wait until the run has started writing (its temp folder holds a shard or partial shard)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        temps = list(out.parent.glob(f".{out.name}.tmp-*"))
+        if temps and any(temps[0].iterdir()):
+            return temps[0]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("conversion never started writing")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_cleans_up(tmp_path, sig):
+    out = tmp_path / "out"
+    proc = start_slow_convert(out)
+    wait_for_temp(out, proc)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # temp folder removed too
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_sigkill_leaves_no_output_and_next_run_cleans_the_stale_temp(tmp_path):
+    out = tmp_path / "out"
+    proc = start_slow_convert(out)
+    temp = wait_for_temp(out, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not out.exists()
+    assert temp.exists() and temp.name.startswith(".out.tmp-")  # hidden, never named like OUT
+    done = subprocess.run(
+        [sys.executable, "-m", "repack.cli", "convert", str(SRC), str(out), "--quiet"], capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert not temp.exists() and (out / "repack_manifest.json").is_file()

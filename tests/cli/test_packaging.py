@@ -1,0 +1,65 @@
+"""The wheel installs the three import names we promise, and none of the generic ones we must not squat."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)],
+        check=True,
+        capture_output=True,
+    )
+    (found,) = dist.glob("moe_repack-*.whl")
+    return found
+
+
+def test_wheel_holds_namespaced_packages_only(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"repack"}
+    for expected in ("repack/cli.py", "repack/runtime/__init__.py", "repack/formats/SPEC.md", "repack/formats/gptq.py"):
+        assert expected in names
+    shipped = sorted(n for n in names if n.startswith("repack/runtime/configs/") and n.endswith(".json"))
+    in_repo = sorted(f"repack/runtime/configs/{p.name}" for p in (REPO / "runtime" / "configs").glob("*.json"))
+    assert shipped == in_repo and shipped, "tuned kernel configs missing from the wheel"
+
+
+def test_clean_venv_runs_cli_and_imports(wheel, tmp_path):
+    """Install the wheel alone into a fresh venv (dependencies borrowed read-only from ours) and use it."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    # Our own site-packages as a plain path entry: its .pth files (our editable install) are NOT processed.
+    Path(purelib, "borrowed_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    run = lambda *args: subprocess.run([*args], cwd=tmp_path, capture_output=True, text=True, check=True)  # noqa: E731
+    probe = (
+        "import repack, repack.formats, repack.runtime, sys; print(repack.__file__); print('repack.cli' in sys.modules)"
+    )
+    lines = run(python, "-c", probe).stdout.split()
+    assert lines[0].startswith(str(env_dir)), "imported repack from outside the clean venv"
+    assert lines[1] == "False", "importing the runtime pulled in the CLI"
+    assert "convert" in run(env_dir / "bin" / "repack", "--help").stdout

@@ -1,0 +1,122 @@
+"""repack verify: passes on a fresh conversion, fails with one line on every kind of tampering."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from repack.convert import convert
+from tests.support.cli import assert_one_line_error, copy_checkpoint, run_cli
+from tests.support.fixtures import FIXTURES_DIR
+
+ACT = FIXTURES_DIR / "qwen2moe-g32-actorder"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verify") / "out"
+    convert(str(ACT), out, shard_size="1MB", quiet=True)
+    return out
+
+
+@pytest.fixture
+def out(converted, tmp_path):
+    return copy_checkpoint(converted, tmp_path / "out")
+
+
+def test_verify_ok_with_and_without_source(out):
+    result = run_cli("verify", out)
+    assert result.exit_code == 0 and "ok:" in result.stdout
+    result = run_cli("verify", out, "--source", ACT)
+    assert result.exit_code == 0 and "bit-exact" in result.stdout, result.output
+
+
+def test_changed_output_file_fails_checksum(out):
+    (out / "tokenizer.json").write_text("{}")
+    assert_one_line_error(run_cli("verify", out), "tokenizer.json", "sha256")
+
+
+def test_missing_output_file(out):
+    shard = sorted(out.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    assert_one_line_error(run_cli("verify", out), shard.name, "missing")
+
+
+def test_no_manifest_means_incomplete(out):
+    (out / "repack_manifest.json").unlink()
+    assert_one_line_error(run_cli("verify", out), "repack_manifest.json")
+
+
+def _rewrite_stack_tensor(out, name, change):
+    """Change one tensor inside its shard and re-sign the manifest, so only the inverse can catch it."""
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = out / index[name]
+    tensors = load_file(shard)
+    tensors[name] = change(tensors[name].clone())
+    save_file(tensors, shard, metadata={"format": "pt"})
+    from repack.formats.hashing import hash_file
+
+    manifest = json.loads((out / "repack_manifest.json").read_text())
+    sha, size = hash_file(shard)
+    manifest["output_files"][shard.name] = {"sha256": sha, "size": size}
+    (out / "repack_manifest.json").write_text(json.dumps(manifest))
+
+
+def test_flipped_bit_in_stack_caught_by_inverse(out):
+    def flip(t):
+        t.view(-1)[17] ^= 1
+        return t
+
+    _rewrite_stack_tensor(out, "model.layers.1.mlp.experts.w13_qweight", flip)
+    assert run_cli("verify", out).exit_code == 0  # checksums were re-signed
+    assert_one_line_error(run_cli("verify", out, "--source", ACT), "model.layers.1.mlp.experts", "bit for bit")
+
+
+def test_changed_copied_tensor_caught(out):
+    _rewrite_stack_tensor(out, "model.norm.weight", lambda t: t + 1)
+    assert_one_line_error(run_cli("verify", out, "--source", ACT), "model.norm.weight", "differs")
+
+
+def test_changed_scale_sign_caught(out):
+    def negate_first(t):
+        t.view(-1)[0] = -t.view(-1)[0]
+        return t
+
+    _rewrite_stack_tensor(out, "model.layers.0.mlp.experts.w2_scales", negate_first)
+    assert_one_line_error(run_cli("verify", out, "--source", ACT), "model.layers.0.mlp.experts")
+
+
+def test_changed_source_file_fails(out, tmp_path):
+    src = copy_checkpoint(ACT, tmp_path / "src")
+    (src / "generation_config.json").write_text("{}")
+    assert_one_line_error(run_cli("verify", out, "--source", src), "generation_config.json", "source changed")
+
+
+def test_wrong_source_fails(out, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(FIXTURES_DIR / "qwen2moe-g128-sym", other)
+    line = assert_one_line_error(run_cli("verify", out, "--source", other))
+    assert str(other) in line
+
+
+def test_extra_file_in_output_fails(out):
+    (out / "stray.bin").write_bytes(b"x")
+    assert_one_line_error(run_cli("verify", out), "stray.bin", "not listed")
+
+
+def test_verify_passes_after_push_wrote_the_model_card(tmp_path):
+    """`repack push` writes README.md after the manifest; verify must not call the pushed folder corrupt."""
+    from repack.convert import convert
+    from repack.push import plan_push
+    from repack.verify import verify
+    from tests.support.fixtures import FIXTURES_DIR
+
+    src = FIXTURES_DIR / "qwen3moe-g128-sym"
+    out = tmp_path / "out"
+    convert(str(src), out, quiet=True)
+    (out / "README.md").write_text(plan_push(out, "myorg/model").card)
+    report = verify(out, str(src))
+    assert report.files_checked >= 1 and report.stacks_checked >= 1

@@ -1,0 +1,50 @@
+"""The CPU-runnable parts of benchmarks/bench_moe.py: its blocks of both shared modes over one [E + C] allocation,
+their correctness check, and the report table (the timings themselves need a GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import bench_moe
+from repack.formats.stacks import choose_word_order
+from repack.runtime.moe_block import JOINED, SEPARATE
+from repack.runtime.weights import MoeWeights
+
+TINY = bench_moe.Case("tiny", experts=4, top_k=2, hidden=128, inter=128, shared_chunks=2)
+
+
+def random_cpu_stack(case: bench_moe.Case, seed: int = 0) -> MoeWeights:
+    """What runtime.tune.random_stack makes on the GPU, on the CPU: random int4 words, scales ~0.01, group 128."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, h, i = case.experts + case.shared_chunks, case.hidden, case.inter
+    words = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32)  # noqa: E731
+    scales = lambda *shape: (torch.rand(*shape, generator=gen) * 0.01 + 0.005).half()  # noqa: E731
+    return MoeWeights(
+        words(experts, 2 * i, h // 8), scales(experts, h // 128, 2 * i), words(experts, h, i // 8),
+        scales(experts, i // 128, h), bits=4, group_size=128, word_order=choose_word_order(4, h, i, 128),
+    )  # fmt: skip
+
+
+def test_blocks_of_both_modes_agree_with_the_float32_reference(device):
+    torch.manual_seed(0)
+    stack = random_cpu_stack(TINY)
+    stack = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(stack).items()})
+    gate = (torch.randn(1, TINY.hidden) * 0.05).half().to(device)
+    blocks = bench_moe.make_blocks(TINY, stack, gate)
+    assert blocks[JOINED].joined.w13_qweight.data_ptr() == stack.w13_qweight.data_ptr()  # a view, as loaded
+    assert blocks[SEPARATE].joined is None
+    errors = bench_moe.check_block(TINY, torch.float16, blocks, ms=(3,))
+    assert set(errors) == {JOINED, SEPARATE}
+    assert all(error <= 5e-3 for error in errors.values()), errors
+
+
+def test_report_has_a_column_per_shared_mode():
+    row = dict(
+        case="tiny", dtype="float16", M=1, ours_us=10.0, block_joined_us=12.0, block_separate_us=15.0, floor_us=5.0,
+        ours_over_floor=2.0, cublas_fp16_us=30.0, marlin_us=None, fp16_triton_us=None,
+    )  # fmt: skip
+    meta = dict(date="today", gpu="none", torch="-", triton="-", command="-", copy_bw_GBs=1.0)
+    table = bench_moe.markdown([row], meta)
+    header, _, line = table.strip().splitlines()[-3:]
+    assert "block joined" in header and "block separate" in header
+    assert "| 12.0 | 15.0 |" in line and header.count("|") == line.count("|")

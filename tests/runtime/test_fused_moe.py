@@ -1,0 +1,373 @@
+"""fused_moe against an independent float32 reference built from the SOURCE GPTQ linears.
+
+The reference dequantizes each (gate, up, down) with formats.gptq.dequantize (GPTQ layout, not ours) and
+runs the expert MLPs in float32; the kernel reads the packed stack. Runs in the Triton interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repack.formats.errors import RepackError
+from repack.formats.gptq import GptqLinear, GptqScheme, dequantize
+from repack.formats.stacks import ROUTED, StackInfo, pack_stack, plan_flags
+from repack.runtime.fused_moe import fused_moe
+from repack.runtime.weights import MoeWeights
+from repack.synthetic_linear import quantize_linear
+
+Expert = tuple[GptqLinear, GptqLinear, GptqLinear]
+
+
+def make_expert(hidden: int, inter: int, scheme: GptqScheme, act_order: bool, seed: int) -> Expert:
+    """One GPTQ expert; gate and up share their act-order g_idx (same generator seed -> same random order)."""
+    gen = torch.Generator().manual_seed(seed)
+    w_gate, w_up = torch.randn(inter, hidden, generator=gen) * 0.05, torch.randn(inter, hidden, generator=gen) * 0.05
+    w_down = torch.randn(hidden, inter, generator=gen) * 0.05
+    gate = quantize_linear(w_gate, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 1))
+    up = quantize_linear(w_up, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 1))
+    down = quantize_linear(w_down, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 2))
+    return gate, up, down
+
+
+def make_stack(
+    experts: int,
+    hidden: int,
+    inter: int,
+    scheme: GptqScheme,
+    act_order: bool = False,
+    chunks: int = 1,
+    word_order: str = "gptq",
+):
+    """(MoeWeights in our layout, source experts). ``chunks`` > 1 packs ONE source expert as that many chunks."""
+    sources = [make_expert(hidden, inter * chunks, scheme, act_order, 100 * j) for j in range(experts // chunks)]
+    names = [(f"e{j}.gate_proj", f"e{j}.up_proj", f"e{j}.down_proj") for j in range(len(sources))]
+    act13, act2, has_g_idx = plan_flags(names, sources, scheme)
+    info = StackInfo(
+        prefix="mlp.experts",
+        kind=ROUTED,
+        num_experts=experts,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        bits=scheme.bits,
+        group_size=scheme.group_size,
+        sym=scheme.sym,
+        checkpoint_format=scheme.checkpoint_format,
+        act_order_w13=act13,
+        act_order_w2=act2,
+        has_g_idx=has_g_idx,
+        source_modules=[list(n) for n in names],
+        word_order=word_order,
+    )
+    return MoeWeights.from_tensors(info, pack_stack(info, sources)), sources
+
+
+def reference(x: torch.Tensor, sources: list[Expert], scheme, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 sum_k w * down(silu(gate x) * up x) with the source expert of each pair."""
+    x = x.float()
+    mats = [tuple(dequantize(lin, scheme) for lin in expert) for expert in sources]
+    out = torch.zeros_like(x)
+    for m in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gate, up, down = mats[int(ids[m, j])]
+            out[m] += float(w[m, j]) * (down @ (torch.nn.functional.silu(gate @ x[m]) * (up @ x[m])))
+    return out
+
+
+def chunked_reference(x, source: Expert, scheme, gate_w: torch.Tensor) -> torch.Tensor:
+    gate, up, down = (dequantize(lin, scheme) for lin in source)
+    xf = x.float()
+    return gate_w[:, None] * ((torch.nn.functional.silu(xf @ gate.T) * (xf @ up.T)) @ down.T)
+
+
+def random_routing(m: int, top_k: int, allowed: list[int], gen: torch.Generator):
+    """Distinct experts per token drawn from ``allowed`` (so the others get no tokens), random weights."""
+    picks = torch.stack([torch.randperm(len(allowed), generator=gen)[:top_k] for _ in range(m)])
+    ids = torch.tensor(allowed, dtype=torch.int32)[picks]
+    weights = torch.rand(m, top_k, generator=gen) + 0.1
+    return ids, weights
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten rows?)"
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def run_case(weights, sources, scheme, m, top_k, allowed, config, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, weights.hidden_size, generator=gen)).to(torch.float16)
+    ids, route_w = random_routing(m, top_k, allowed, gen)
+    out = torch.full((m, weights.hidden_size), float("nan"), dtype=torch.float16, device=device)
+    dev_weights = MoeWeights(
+        **{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(weights).items()}
+    )
+    got = fused_moe(x.to(device), dev_weights, ids.to(device), route_w.to(device), config=config, out=out)
+    assert got is out and got.dtype == torch.float16
+    return relative_error(got.cpu(), reference(x, sources, scheme, ids, route_w))
+
+
+BIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=2)
+
+
+def test_aligned_sym_v1_g64_tokens_exceed_block_and_idle_experts(device):
+    scheme = GptqScheme(bits=4, group_size=64, sym=True, checkpoint_format="gptq")
+    weights, sources = make_stack(8, 128, 128, scheme)
+    # 70 tokens x top-2 over 3 experts: > 64 rows per expert (two blocks each), experts 0,1,3,5,7 idle.
+    err = run_case(weights, sources, scheme, 70, 2, [2, 4, 6], BIG, device, seed=1)
+    assert err <= 2e-3
+
+
+def test_aligned_asym_v2_act_order_g32_atomic_reduce(device):
+    scheme = GptqScheme(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2")
+    weights, sources = make_stack(4, 128, 64, scheme, act_order=True)
+    assert weights.w13_perm is not None and weights.w13_zeros is not None
+    config = dict(BIG, BLOCK_M=16, BLOCK_K=64, REDUCE="atomic")  # BLOCK_K shrinks to the group (32)
+    err = run_case(weights, sources, scheme, 20, 3, [0, 1, 3], config, device, seed=2)
+    assert err <= 2e-3
+
+
+def test_direct_top1_group_all_partial_k_block(device):
+    # H = 192 with BLOCK_K = 128: the second K step is half masked; group -1 = one scale row over K.
+    scheme = GptqScheme(bits=4, group_size=-1, sym=False, checkpoint_format="gptq")
+    weights, sources = make_stack(4, 192, 64, scheme)
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, DIRECT=True)
+    err = run_case(weights, sources, scheme, 3, 1, [0, 1, 2, 3], config, device, seed=3)
+    assert err <= 2e-3
+
+
+def test_eight_bit_direct(device):
+    scheme = GptqScheme(bits=8, group_size=64, sym=True, checkpoint_format="gptq")
+    weights, sources = make_stack(4, 128, 64, scheme)
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, DIRECT=True)
+    err = run_case(weights, sources, scheme, 2, 2, [1, 3], config, device, seed=4)
+    assert err <= 2e-3
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_direct_asym_v1_act_order_g32_atomic_reduce(device, prefetch):
+    """The decode kernels: zero points, act-order gather and the atomic top-k sum, one row per pair."""
+    scheme = GptqScheme(bits=4, group_size=32, sym=False, checkpoint_format="gptq")
+    weights, sources = make_stack(6, 128, 64, scheme, act_order=True)
+    assert weights.w13_perm is not None and weights.w13_zeros is not None
+    config = dict(
+        BLOCK_M=16,
+        BLOCK_N=32,
+        BLOCK_K=64,
+        GROUP_M=1,
+        num_warps=2,
+        num_stages=1,
+        DIRECT=True,
+        REDUCE="atomic",
+        PREFETCH=prefetch,
+    )
+    err = run_case(weights, sources, scheme, 3, 2, [0, 2, 3, 5], config, device, seed=6)
+    assert err <= 2e-3
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order"),
+    [(GptqScheme(4, 128, True, "gptq"), True), (GptqScheme(4, -1, False, "gptq_v2"), False)],
+    ids=["sym-g128-actorder", "asym-per-channel"],
+)
+def test_aligned_nibble_dots(device, scheme, act_order):
+    """The tensor-core path that runs one dot per nibble position on the int32 words."""
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order)
+    config = dict(BIG, BLOCK_M=16, BLOCK_K=128, NIBBLE_DOTS=True)
+    err = run_case(weights, sources, scheme, 24, 2, [0, 1, 3], config, device, seed=7)
+    assert err <= 2e-3
+
+
+WEIGHT_MAJOR = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, WEIGHT_MAJOR=True)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order", "config"),
+    [
+        (GptqScheme(4, 128, True, "gptq"), False, WEIGHT_MAJOR),
+        (GptqScheme(4, 128, True, "gptq"), True, dict(WEIGHT_MAJOR, SCALE_ACC=False)),
+        (GptqScheme(4, -1, False, "gptq_v2"), False, dict(WEIGHT_MAJOR, BLOCK_M=32, BLOCK_N=128, REDUCE="atomic")),
+    ],
+    ids=["sym-g128", "sym-g128-actorder-fp16-scales", "asym-per-channel-atomic"],
+)
+def test_weight_major_aligned(device, scheme, act_order, config):
+    """The weight-major kernels: weights as the MMA's register operand, activations in nibble-major order (or
+    gathered through the act-order permutation), intermediate written in that order; tokens > BLOCK_M."""
+    weights, sources = make_stack(4, 256, 256, scheme, act_order=act_order)
+    assert run_case(weights, sources, scheme, 24, 2, [0, 1, 3], config, device, seed=7) <= 2e-3
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order", "m", "top_k", "reduce"),
+    [
+        (GptqScheme(4, 128, False, "gptq"), True, 3, 2, "pairs"),
+        (GptqScheme(4, 128, True, "gptq"), False, 2, 3, "atomic"),
+    ],
+    ids=["asym-actorder", "sym-atomic"],
+)
+def test_weight_major_direct(device, scheme, act_order, m, top_k, reduce):
+    """DIRECT on the weight-major kernels: one block per pair, expert from topk_ids, activations gathered."""
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order)
+    config = dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True, REDUCE=reduce)
+    assert run_case(weights, sources, scheme, m, top_k, [0, 1, 3], config, device, seed=9) <= 2e-3
+
+
+def test_weight_major_config_on_a_stack_it_cannot_run_uses_the_other_kernels(device):
+    """Groups of 64 break the one-scale-row-per-128-step rule: the config still gives the right answer."""
+    scheme = GptqScheme(4, 64, True, "gptq")
+    weights, sources = make_stack(4, 256, 128, scheme)
+    assert run_case(weights, sources, scheme, 5, 2, [0, 1, 3], dict(WEIGHT_MAJOR), device, seed=10) <= 2e-3
+
+
+MMA128_CASES = [
+    (GptqScheme(4, 128, True, "gptq"), False, 24, 2, WEIGHT_MAJOR),
+    (GptqScheme(4, 128, False, "gptq"), True, 24, 2, dict(WEIGHT_MAJOR, SCALE_ACC=False, BLOCK_M=32, BLOCK_N=128)),
+    (GptqScheme(4, 128, True, "gptq"), False, 24, 2, dict(WEIGHT_MAJOR, SCALE_ACC=False, QUANT_AHEAD=True)),
+    (GptqScheme(4, -1, False, "gptq_v2"), False, 20, 3, dict(BIG, BLOCK_K=128, REDUCE="atomic")),
+    (GptqScheme(4, 128, False, "gptq"), True, 3, 2, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True)),
+    (GptqScheme(4, 128, True, "gptq"), False, 2, 3, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True, REDUCE="atomic")),
+]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "act_order", "m", "top_k", "config"),
+    MMA128_CASES,
+    ids=[
+        "sym-g128",
+        "asym-actorder-fp16-scales",
+        "sym-scales-a-step-ahead",
+        "asym-per-channel-any-config",
+        "direct-actorder",
+        "direct-atomic",
+    ],
+)
+def test_mma128_word_order_on_the_weight_major_kernels(device, scheme, act_order, m, top_k, config):
+    """mma128 words (what the converter writes for g128 stacks): the weight-major kernels read them for every
+    tensor-core config (also one tuned for the older kernels), aligned and DIRECT."""
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order, word_order="mma128")
+    assert weights.word_order == "mma128"
+    assert run_case(weights, sources, scheme, m, top_k, [0, 1, 3], config, device, seed=12) <= 2e-3
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_mma128_word_order_on_the_cuda_core_decode_kernels(device, prefetch):
+    scheme = GptqScheme(4, 128, False, "gptq")
+    weights, sources = make_stack(4, 256, 128, scheme, act_order=True, word_order="mma128")
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, DIRECT=True,
+                  PREFETCH=prefetch, REDUCE="atomic" if prefetch == 2 else "pairs")  # fmt: skip
+    assert run_case(weights, sources, scheme, 3, 2, [0, 1, 3], config, device, seed=13) <= 2e-3
+
+
+def test_nibble_major_order():
+    """Position 128b + 16s + j holds column 128b + 8j + s: field s of word j, the order a nibble dot reads."""
+    from repack.runtime.kernels.weight_major import nibble_major
+
+    x = torch.arange(2 * 256).reshape(2, 256)
+    out = nibble_major(x)
+    b, s, j = 1, 3, 5
+    assert out[1, 128 * b + 16 * s + j] == x[1, 128 * b + 8 * j + s]
+    assert sorted(out[0].tolist()) == x[0].tolist()
+
+
+def test_default_and_heuristic_configs(device):
+    """No config: the device's choice (tuned table, heuristic, or the interpreter's on CPU); and the heuristic
+    an untuned GPU takes at decode (the direct path), run explicitly."""
+    from repack.runtime.kernel_config import heuristic_config
+
+    scheme = GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq")
+    weights, sources = make_stack(8, 128, 128, scheme)
+    assert run_case(weights, sources, scheme, 1, 2, list(range(8)), None, device, seed=5) <= 2e-3
+    decode = heuristic_config(1, 2, 8)
+    assert decode["DIRECT"]
+    assert run_case(weights, sources, scheme, 1, 2, list(range(8)), decode, device, seed=8) <= 2e-3
+
+
+def test_shared_expert_as_chunks_with_sigmoid_gate(device):
+    """A shared expert of size 2I packed as 2 chunks equals the whole expert when every token takes both."""
+    scheme = GptqScheme(bits=4, group_size=64, sym=True, checkpoint_format="gptq")
+    weights, sources = make_stack(2, 128, 64, scheme, chunks=2)
+    gen = torch.Generator().manual_seed(6)
+    m = 5
+    x = torch.randn(m, 128, generator=gen).to(torch.float16)
+    gate_w = torch.sigmoid(torch.randn(m, generator=gen))
+    ids = torch.arange(2, dtype=torch.int32).expand(m, 2)
+    out = torch.full((m, 128), float("nan"), dtype=torch.float16)
+    dev = lambda t: t.to(device)  # noqa: E731
+    dev_weights = MoeWeights(**{k: (dev(v) if isinstance(v, torch.Tensor) else v) for k, v in vars(weights).items()})
+    got = fused_moe(dev(x), dev_weights, dev(ids), dev(gate_w[:, None].expand(m, 2)), config=BIG, out=dev(out))
+    assert relative_error(got.cpu(), chunked_reference(x, sources[0], scheme, gate_w)) <= 2e-3
+
+
+def test_bad_inputs_raise_one_line_repack_errors():
+    scheme = GptqScheme(bits=4, group_size=64, sym=True, checkpoint_format="gptq")
+    weights, _ = make_stack(2, 128, 64, scheme)
+    ids = torch.zeros(3, 1, dtype=torch.int32)
+    w = torch.ones(3, 1)
+    cases = [
+        (torch.zeros(3, 128, dtype=torch.float32), ids, w, "float16 or bfloat16"),
+        (torch.zeros(3, 96, dtype=torch.float16), ids, w, "hidden size 128"),
+        (torch.zeros(3, 128, dtype=torch.float16), ids[:2], w[:2], "[3, top_k]"),
+    ]
+    for x, i, rw, text in cases:
+        with pytest.raises(RepackError, match=text.replace("[", r"\[")) as info:
+            fused_moe(x, weights, i, rw)
+        assert "\n" not in str(info.value)
+
+
+def test_config_too_big_for_device_shrinks_at_run_time():
+    from triton.runtime.errors import OutOfResources
+
+    from repack.runtime.kernel_config import fit_config
+
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg["num_stages"] * cfg["BLOCK_K"] > 128:  # pretend the device holds at most 2 stages of K 64
+            raise OutOfResources(cfg["num_stages"] * cfg["BLOCK_K"] * 512, 65536, "shared memory")
+
+    big = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    fitted = fit_config(big, "cuda:7", launch, "w13-test")
+    assert fitted["num_stages"] == 2 and fitted["BLOCK_K"] == 64 and len(tried) == 3
+    assert fit_config(big, "cuda:7", launch, "w13-test") == fitted and len(tried) == 4  # remembered
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+def test_an_out_of_range_expert_id_only_affects_its_own_token(device, direct):
+    """One token with a bad expert id (e.g. from NaN logits) must leave every other token's output intact."""
+    scheme = GptqScheme(bits=4, group_size=64, sym=True, checkpoint_format="gptq")
+    weights, _ = make_stack(4, 128, 64, scheme)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 128, generator=gen).half().to(device)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    w = torch.rand(3, 2, generator=gen)
+    config = dict(BIG, BLOCK_M=16, BLOCK_K=64, DIRECT=direct)
+    dev = MoeWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(weights).items()})
+    good = fused_moe(x, dev, ids.to(device), w.to(device), config=dict(config))
+    bad_ids = ids.clone()
+    bad_ids[2] = torch.tensor([4, 7], dtype=torch.int32)
+    bad = fused_moe(x, dev, bad_ids.to(device), w.to(device), config=dict(config))
+    assert torch.equal(bad[:2], good[:2])
+
+
+@pytest.mark.parametrize(
+    ("word_order", "h", "i", "group", "split_k"),
+    [("gptq", 320, 128, 32, 3), ("mma128", 384, 256, 128, 2)],
+    ids=["gptq-uneven-slices", "mma128"],
+)
+def test_split_k_decode(device, word_order, h, i, group, split_k):
+    """Split-K decode: K cut into slices of whole blocks (the last one shorter), w13's slices meet in the fp32
+    workspace and the last to arrive applies SiLU; w2's add into the fp32 output."""
+    scheme = GptqScheme(4, group, False, "gptq")
+    weights, sources = make_stack(4, h, i, scheme, act_order=True, word_order=word_order)
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True,
+                  SPLIT_K=split_k, PREFETCH=1)  # fmt: skip
+    assert run_case(weights, sources, scheme, 2, 2, [0, 1, 3], config, device, seed=14) <= 2e-3
+
+
+def test_k_slices_are_never_empty():
+    from repack.runtime.kernels.decode import k_slices
+
+    for k_blocks in range(1, 40):
+        for split in range(1, 9):
+            per, slices = k_slices(k_blocks * 128, 128, split)
+            assert slices <= split and (slices - 1) * per < k_blocks <= slices * per

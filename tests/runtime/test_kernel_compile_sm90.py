@@ -1,0 +1,169 @@
+"""Compile every shipped and heuristic kernel config for sm_90 (H100/H200) on the CPU.
+
+The interpreter accepts code the GPU compiler may reject, and a config that needs more shared memory
+than Hopper's opt-in maximum (232448 bytes) would raise OutOfResources at the first launch. Triton's
+nvidia backend (with the ptxas its wheel ships) compiles for ``GPUTarget("cuda", 90, 32)`` without a
+GPU. It runs in a subprocess because the test session sets TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SM90_SHARED_LIMIT = 232448  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
+
+
+def all_configs() -> list[dict]:
+    """Every config shipped in runtime/configs/*.json plus every config the heuristic returns."""
+    from repack.runtime.kernel_config import CONFIG_DIR, heuristic_configs
+
+    configs = {json.dumps(c, sort_keys=True): c for c in heuristic_configs()}
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        for cfg in json.loads(path.read_text()).values():
+            configs[json.dumps(cfg, sort_keys=True)] = cfg
+    return list(configs.values())
+
+
+def _signature(kernel, pointer_types: dict[str, str], constexprs: dict) -> dict[str, str]:
+    return {name: "constexpr" if name in constexprs else pointer_types.get(name, "i32") for name in kernel.arg_names}
+
+
+def _compile(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    signature = _signature(kernel, pointer_types, constexprs)
+    # Pointers and strides are 16-byte aligned at run time; say so, as the JIT's specialisation does.
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(kernel.arg_names)
+        if n.endswith("_ptr") or n.startswith("stride")
+    }
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+
+
+def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) -> dict[str, int]:
+    """Compile the w13 and w2 kernels a config selects (decode or tensor-core); shared memory bytes each."""
+    import triton.language as tl
+
+    from repack.runtime.fused_moe import _w2_kernel, _w13_kernel
+    from repack.runtime.kernels.decode import _prepare_kernel, _w2_decode_kernel, _w13_decode_kernel
+    from repack.runtime.kernels.weight_major import _w2_weight_major_kernel, _w13_weight_major_kernel
+
+    asym = variant == "asym_actorder"
+    ptr = "*bf16" if act == "bfloat16" else "*fp16"
+    nibble = bool(cfg.get("NIBBLE_DOTS", False))
+    word = "*i32" if nibble or cfg.get("DIRECT") or cfg.get("WEIGHT_MAJOR") else "*i16"
+    types = dict(
+        x_ptr=ptr,
+        inter_ptr=ptr,
+        out_ptr=ptr,
+        qw_ptr=word,
+        scales_ptr="*fp16",
+        zeros_ptr="*u8" if asym else "*fp16",
+        perm_ptr="*i32",
+        sorted_pairs_ptr="*i32",
+        block_experts_ptr="*i32",
+        num_blocks_ptr="*i32",
+        topk_ids_ptr="*i32",
+        topk_weights_ptr="*fp32",
+        sums_ptr="*fp32",
+        arrivals_ptr="*i32",
+    )
+    atomic = cfg.get("REDUCE") == "atomic"
+    types2 = dict(types, out_ptr="*fp32" if atomic else ptr)
+    common = dict(TOP_K=8, BITS=4, SYM_ZERO=8, HAS_ZEROS=asym, ACT_DTYPE=getattr(tl, act), EVEN_K=True)
+    tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+    launch = (cfg["num_warps"], cfg["num_stages"])
+    if cfg.get("WEIGHT_MAJOR"):
+        direct = bool(cfg.get("DIRECT"))
+        wm = {k: v for k, v in common.items() if k not in ("BITS", "EVEN_K")}
+        wm.update(SCALE_ACC=cfg.get("SCALE_ACC", True), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                  GROUP_M=cfg["GROUP_M"], DIRECT=direct, MMA_ORDER=mma_order, GROUP_LEN=128, INLINE_PTX=True,
+                  QUANT_AHEAD=cfg.get("QUANT_AHEAD", False))  # fmt: skip
+        flags13 = {**wm, "HAS_PERM": asym, "NIBBLE_MAJOR_X": not (asym or direct or mma_order)}
+        w13 = _compile(_w13_weight_major_kernel, types, flags13, *launch)
+        w2 = _compile(_w2_weight_major_kernel, types2, {**wm, "ATOMIC": atomic}, *launch)
+        if act == "bfloat16" and not wm["SCALE_ACC"]:
+            # fused_moe.BF16_SCALES_IN_WEIGHTS = False: exact fp32 scales, on a tile half as wide.
+            exact = dict(SCALE_ACC=True, BLOCK_N=max(32, cfg["BLOCK_N"] // 2))
+            _compile(_w13_weight_major_kernel, types, {**flags13, **exact}, *launch)
+            _compile(_w2_weight_major_kernel, types2, {**wm, **exact, "ATOMIC": atomic}, *launch)
+    elif cfg.get("DIRECT"):
+        # The decode kernels read fp32 prepared activations and write w2's the same way (runtime/kernels/decode.py).
+        prepared = dict(types, xp_ptr="*fp32", inter_ptr="*fp32", scratch_ptr="*i32")
+        decode = dict(common, PREFETCH=cfg.get("PREFETCH", 1), MMA_ORDER=mma_order, **tiles)
+        split = cfg.get("SPLIT_K", 1) > 1
+        w13 = _compile(_w13_decode_kernel, prepared, {**decode, "HAS_PERM": asym, "SPLIT_K": split}, *launch)
+        w2 = _compile(_w2_decode_kernel, prepared, {**decode, "REDUCE": True}, *launch)
+        prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg["BLOCK_K"], ZERO_BLOCK=256)
+        _compile(_prepare_kernel, prepared, prepare, 1, 1)
+    else:
+        mma = dict(
+            common,
+            FAST=True,
+            NIBBLE_DOTS=nibble,
+            SCALE_ACC=cfg.get("SCALE_ACC", True),
+            BLOCK_M=cfg["BLOCK_M"],
+            GROUP_M=cfg["GROUP_M"],
+            **tiles,
+        )
+        w13 = _compile(_w13_kernel, types, {**mma, "HAS_PERM": asym}, *launch)
+        w2 = _compile(_w2_kernel, types2, {**mma, "ATOMIC": atomic}, *launch)
+    shared = {"w13": w13.metadata.shared, "w2": w2.metadata.shared}
+    if cfg.get("WEIGHT_MAJOR") and not mma_order:
+        # A gptq-order stack the weight-major kernels cannot run (groups under 128, 8-bit) takes the same config
+        # through the other kernels (fused_moe's fallback): those must compile and fit as well.
+        fallback = compile_config({k: v for k, v in cfg.items() if k != "WEIGHT_MAJOR"}, act, variant, mma_order)
+        shared.update({f"{name} fallback": size for name, size in fallback.items()})
+    return shared
+
+
+# (activation dtype, scheme variant, mma128 word order): g128 stacks, act-order or not, are mma128 (what the
+# converter writes); gptq order is what v1 checkpoints and the weight-major kernels' nibble-major path read.
+VARIANTS = (("float16", "sym", True), ("bfloat16", "asym_actorder", True), ("float16", "sym", False))
+
+
+def variants_of(cfg: dict) -> list[tuple[str, str, bool]]:
+    """The variants a config's kernels differ in: the older tensor-core kernels read only gptq order, so the
+    word order would compile the same code twice for them."""
+    reads_word_order = cfg.get("WEIGHT_MAJOR") or cfg.get("DIRECT")
+    return [v for v in VARIANTS if reads_word_order or v[2]]
+
+
+def _worker() -> None:
+    """Subprocess entry: compile all configs, print one JSON line per (config, variant)."""
+    for cfg in all_configs():
+        for act, variant, mma_order in variants_of(cfg):
+            shared = compile_config(cfg, act, variant, mma_order)
+            print(json.dumps({"config": cfg, "act": act, "variant": variant, "shared": shared}), flush=True)
+
+
+def test_nvidia_backend_ships_ptxas():
+    import triton.backends.nvidia
+
+    assert (Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas").exists()
+
+
+@pytest.mark.slow
+def test_every_config_compiles_for_sm90_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == sum(len(variants_of(cfg)) for cfg in all_configs())
+    too_big = [r for r in results if max(r["shared"].values()) > SM90_SHARED_LIMIT]
+    assert not too_big, too_big
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()

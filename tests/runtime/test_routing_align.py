@@ -1,0 +1,66 @@
+"""route() against torch softmax/topk, and align_pairs() invariants, in the Triton interpreter on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repack.formats.errors import RepackError
+from repack.runtime.kernels.align import align_pairs, max_aligned_blocks
+from repack.runtime.kernels.routing import route
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize"), [(5, 64, 8, False), (37, 60, 4, True), (3, 8, 1, True)]
+)
+def test_route_matches_torch(device, tokens, experts, top_k, renormalize):
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(torch.float16)
+    weights, ids = route(logits.to(device), top_k, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    ids, weights = ids.cpu().long(), weights.cpu()
+    # fp16 logits can tie, and torch.topk breaks ties arbitrarily: check the selection, not the order.
+    chosen = probs.gather(1, ids)
+    unchosen = probs.scatter(1, ids, -1.0)
+    assert bool((chosen.min(1).values >= unchosen.max(1).values).all())
+    assert bool((chosen[:, :-1] >= chosen[:, 1:]).all())  # descending
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    ref_w = chosen / chosen.sum(-1, keepdim=True) if renormalize else chosen
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_route_rejects_bad_top_k():
+    with pytest.raises(RepackError, match="top_k=9"):
+        route(torch.zeros(2, 8), 9, False)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(5, 8, 64, 16), (300, 4, 60, 64), (3, 1, 8, 64)])
+def test_align_sorts_pairs_into_single_expert_blocks(device, tokens, top_k, experts, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    used = torch.randperm(experts, generator=gen)[: max(1, experts // 3)]  # the others get no tokens
+    ids = used[torch.randint(0, len(used), (tokens, top_k), generator=gen)].to(torch.int32)
+    a = align_pairs(ids.to(device), experts, block_m)
+    num_pairs = tokens * top_k
+    num_blocks = int(a.num_blocks.cpu())
+    counts = torch.bincount(ids.flatten().long(), minlength=experts)
+    assert num_blocks == int(((counts + block_m - 1) // block_m).sum())
+    assert a.max_blocks == max_aligned_blocks(num_pairs, experts, block_m) >= num_blocks
+    pairs = a.sorted_pairs.cpu().long().view(-1, block_m)
+    block_experts = a.block_experts.cpu().long()
+    flat = ids.flatten().long()
+    seen = []
+    for b in range(num_blocks):
+        real = pairs[b][pairs[b] < num_pairs]
+        assert len(real) > 0 and bool((flat[real] == block_experts[b]).all())
+        seen += real.tolist()
+    assert sorted(seen) == list(range(num_pairs))
+    assert bool((block_experts[num_blocks:] == -1).all()) and bool((pairs[num_blocks:] == num_pairs).all())
+    assert list(block_experts[:num_blocks]) == sorted(block_experts[:num_blocks].tolist())
+
+
+def test_nan_logits_still_give_expert_ids_in_range(device):
+    """A NaN router row (a broken request) must not produce ids past the stack: those would read other memory."""
+    logits = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("nan")] * 4, [0.5, 0.1, 0.2, 0.3]], device=device)
+    _, ids = route(logits, 2, True)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 4
+    assert ids[2].tolist() == [0, 3]
