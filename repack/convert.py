@@ -44,6 +44,7 @@ from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero
 from repack.formats.hashing import HASH_CHUNK, hash_file
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
+from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
 from repack.source import SourceCheckpoint, resolve_source
 
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
@@ -69,33 +70,23 @@ def parse_size(text: str) -> int:
 
 
 def temp_folder_for(out: Path) -> Path:
+    """Hidden, never named like OUT; the PID only keeps names of concurrent runs apart."""
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
 
 
 def remove_stale_temps(out: Path) -> None:
     """Clean up after killed runs: delete their ``.OUT.tmp-<pid>`` folders, and put back a previous OUT that a
-    ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing."""
+    ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing. A folder is stale when no live run
+    holds its lock (repack.publish.WorkFolder), whatever its PID says (PIDs are reused)."""
     for path in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if is_abandoned(path):
             shutil.rmtree(path, ignore_errors=True)
     for path in out.parent.glob(f".{out.name}.old-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if is_abandoned(path):
             if out.exists():
                 shutil.rmtree(path, ignore_errors=True)  # the new OUT was published; this is the leftover
             else:
                 path.rename(out)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def check_output_target(out: Path, force: bool, source: Path | None = None) -> None:
@@ -512,17 +503,10 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def publish(temp: Path, out: Path) -> None:
-    """Move the finished temp folder to OUT; an existing OUT (only with --force) is swapped then deleted."""
-    if out.is_dir() and any(out.iterdir()):
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        temp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        if out.is_dir():
-            out.rmdir()
-        temp.rename(out)
+class InterruptedAfterPublish(RepackError):
+    """Ctrl-C or SIGTERM that arrived once OUT already held the new output."""
+
+    exit_code = 130
 
 
 def convert(
@@ -550,17 +534,37 @@ def convert(
     check_output_target(out, force, source.path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        temp = temp_folder_for(out)
-        temp.mkdir()
+        work = WorkFolder(temp_folder_for(out))
     except OSError as error:
         raise RepackError(f"cannot write output folder {out}: {error.strerror}; choose a writable location") from None
+    temp, old, published = work.path, None, False
     try:
         with sigterm_as_interrupt():
             check_free_space(plan, temp)
             manifest = Converter(plan, reader, temp, shard_bytes, quiet).run()
             reader.close()
-            publish(temp, out)
+            with signals_held():  # an interrupt lands before the swap or after it, never inside
+                try:
+                    old = publish(temp, out, force=force)
+                except FileExistsError:
+                    raise RepackError(
+                        f"{out}: appeared while converting (another run?) and was left as it is; pass --force to "
+                        "replace it"
+                    ) from None
+                published = True
+            remove_tree(old)
+    except KeyboardInterrupt:
+        if not published:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        remove_tree(old)
+        raise InterruptedAfterPublish(
+            f"interrupted after {out} was complete: it holds the new output (verify it with `repack verify {out}`)"
+        ) from None
     except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
+        if not published:
+            shutil.rmtree(temp, ignore_errors=True)
         raise
+    finally:
+        work.close()
     return manifest
