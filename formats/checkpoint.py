@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from repack.formats.errors import RepackError
+from repack.formats.paths import check_inside, child_path
 
 from .stacks import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo
 
@@ -169,8 +170,11 @@ class CheckpointReader:
         index_path = self.folder / INDEX_FILE
         if index_path.is_file():
             self.weight_map = _read_index(index_path)
+            for file in set(self.weight_map.values()):
+                child_path(self.folder, file, str(index_path))  # before anything opens it
             files = sorted(set(self.weight_map.values()))
             for file in files:
+                check_inside(self.folder, self.folder / file)
                 if not (self.folder / file).is_file():
                     raise RepackError(
                         f"{index_path}: names shard {file}, which is missing from {self.folder}; re-download it"
@@ -178,6 +182,7 @@ class CheckpointReader:
             return files
         self.weight_map = None
         if (self.folder / SINGLE_FILE).is_file():
+            check_inside(self.folder, self.folder / SINGLE_FILE)
             return [SINGLE_FILE]
         shards = sorted(p.name for p in self.folder.glob("model-*-of-*.safetensors"))
         if shards:

@@ -42,6 +42,7 @@ from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, ShardedWrit
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero_points, write_zero_points
 from repack.formats.hashing import HASH_CHUNK, hash_file
+from repack.formats.paths import check_inside
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
 from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
@@ -462,7 +463,8 @@ class Converter:
         sources: dict[str, dict] = {}
         for name in self.plan.files_to_copy:
             self.current = str(self.folder / name)
-            sources[name] = outputs[name] = copy_file(source.path / name, self.folder / name)
+            origin = check_inside(source.path, source.path / name)  # again, as it is opened
+            sources[name] = outputs[name] = copy_file(origin, self.folder / name)
         self.current = str(self.folder / CONFIG_FILE)
         written: WrittenFile = write_json(self.folder / CONFIG_FILE, output_config(self.plan))
         outputs[CONFIG_FILE] = {"sha256": written.sha256, "size": written.size}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from repack.formats.checkpoint import CONFIG_FILE, read_config
 from repack.formats.errors import RepackError
+from repack.formats.paths import check_inside, tree_root
 
 QUANTIZE_CONFIG_FILE = "quantize_config.json"
 HUB_ALLOW_PATTERNS = [
@@ -81,12 +82,17 @@ def download_snapshot(repo_id: str, revision: str | None) -> Path:
 
 
 def list_files(folder: Path) -> list[str]:
-    """Every regular file under ``folder`` (following the Hub cache's symlinks), skipping hidden entries."""
+    """Every regular file under ``folder``, skipping hidden entries; a link out of the folder is refused.
+
+    A Hub cache snapshot's links into its own blobs are fine (formats.paths.tree_root)."""
+    root = tree_root(folder)
     files = []
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
         if any(part.startswith(".") for part in relative.parts):
             continue
+        if path.is_symlink() or any(parent.is_symlink() for parent in relative.parents if parent.parts):
+            check_inside(folder, path, root)
         if path.is_file():
             files.append(relative.as_posix())
     return files

@@ -17,6 +17,7 @@ import torch
 from repack.formats.checkpoint import CheckpointReader, read_repack_config
 from repack.formats.errors import RepackError
 from repack.formats.hashing import hash_file
+from repack.formats.paths import contained_child
 from repack.formats.stacks import CARD_FILE, MANIFEST_FILE, split_by_source, unpack_stack
 from repack.source import resolve_source
 
@@ -43,7 +44,7 @@ def read_manifest(out: Path) -> dict:
 def check_output_files(out: Path, manifest: dict, report: VerifyReport) -> None:
     listed = {name: meta for name, meta in (manifest.get("output_files") or {}).items() if name != CARD_FILE}
     for name, expected in listed.items():
-        path = out / name
+        path = contained_child(out, name, str(out / MANIFEST_FILE))
         if not path.is_file():
             raise RepackError(f"{path}: listed in {MANIFEST_FILE} but missing; re-run repack convert")
         sha, size = hash_file(path)
@@ -58,7 +59,7 @@ def check_output_files(out: Path, manifest: dict, report: VerifyReport) -> None:
 
 def check_source_files(src_folder: Path, manifest: dict, report: VerifyReport) -> None:
     for name, expected in (manifest.get("source_files") or {}).items():
-        path = src_folder / name
+        path = contained_child(src_folder, name, f"{MANIFEST_FILE} source_files")
         if not path.is_file():
             raise RepackError(f"{path}: source file recorded in {MANIFEST_FILE} is missing from the source")
         sha, _ = hash_file(path)

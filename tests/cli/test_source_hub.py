@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.hub import COMMIT, offline_env
+from tests.support.hub import make_cache as make_hub_cache
 
 SRC = FIXTURES_DIR / "qwen3moe-g128-sym"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def offline_env(cache) -> dict:
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_HOME=str(cache.parent / "hf_home"))
-    env.pop("HF_TOKEN", None)
-    return env
 
 
 def make_cache(tmp_path):
-    cache = tmp_path / "hub"
-    repo = cache / "models--org--tiny-moe"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    shutil.copytree(SRC, repo / "snapshots" / COMMIT)
-    return cache
+    return make_hub_cache(tmp_path, SRC)
 
 
 def repack(*args, env):
