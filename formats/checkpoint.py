@@ -98,6 +98,25 @@ def dtype_code(dtype: torch.dtype) -> str:
 
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """Parse one file's header; a truncated or corrupt file raises a one-line error naming it."""
+    return parse_safetensors_header(path).entries
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """One file's parsed header: its tensors, its ``__metadata__`` and the header's length in bytes."""
+
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    header_bytes: int
+
+
+def parse_safetensors_header(path: Path, max_header_bytes: int = _MAX_HEADER_BYTES) -> SafetensorsHeader:
+    """Parse and check one file's header to the safetensors spec, reading at most ``max_header_bytes`` of it.
+
+    Why so strict: a header a stranger wrote decides what is read and allocated. Offsets must be integers, the
+    tensors' byte ranges must tile the data region exactly (no overlap, no hole, nothing after), shapes must be
+    non-negative integers and names valid UTF-8 (what safetensors itself requires to open the file again).
+    """
     try:
         size = path.stat().st_size
         with path.open("rb") as handle:
@@ -105,30 +124,34 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             if len(raw_len) < 8:
                 raise RepackError(f"{path}: truncated safetensors file ({size} bytes); re-download or re-save it")
             (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            if header_len > max_header_bytes:
+                raise RepackError(
+                    f"{path}: safetensors header of {header_len} bytes is over the {max_header_bytes} bytes left of "
+                    f"the {_MAX_HEADER_BYTES >> 20} MB allowed for all headers of a checkpoint; re-download or "
+                    "re-save it"
+                )
+            if header_len > size - 8:
                 raise RepackError(
                     f"{path}: corrupt or truncated safetensors header (header length {header_len}, file size "
                     f"{size}); re-download or re-save it"
                 )
             header = json.loads(handle.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RepackError(f"{path}: corrupt safetensors header ({error}); re-download or re-save it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise RepackError(
+            f"{path}: corrupt safetensors header ({_one_line(error)}); re-download or re-save it"
+        ) from None
     except FileNotFoundError:
         raise RepackError(f"{path}: file not found; re-download the checkpoint") from None
     if not isinstance(header, dict):
         raise RepackError(f"{path}: corrupt safetensors header (not a JSON object); re-download or re-save it")
-    entries: dict[str, TensorEntry] = {}
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise RepackError(f"{path}: corrupt safetensors header (__metadata__ is not an object); re-download it")
     data_bytes = size - 8 - header_len
+    entries: dict[str, TensorEntry] = {}
+    ranges: list[tuple[int, int, str]] = []
     for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
-            start, end = int(start), int(end)
-        except (KeyError, TypeError, ValueError):
-            raise RepackError(
-                f"{path}: corrupt safetensors header entry for {name}; re-download or re-save it"
-            ) from None
+        dtype, shape, (start, end) = _header_entry(path, name, meta)
         if dtype not in _DTYPE_CODES:
             raise RepackError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         if end > data_bytes:
@@ -142,7 +165,55 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
                 f"{list(shape)}); re-download or re-save it"
             )
         entries[name] = TensorEntry(name, path.name, shape, dtype, 8 + header_len + start)
-    return entries
+        ranges.append((start, end, name))
+    _check_tiling(path, ranges, data_bytes)
+    return SafetensorsHeader(entries, metadata, header_len)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _header_entry(path: Path, name: str, meta: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (start, end)) of one header entry, each of the type the spec says."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RepackError(f"{path}: tensor name {name!r} is not valid UTF-8; re-save the file") from None
+    fields = (meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")) if isinstance(meta, dict) else None
+    if (
+        fields is None
+        or not isinstance(fields[0], str)
+        or not isinstance(fields[1], list)
+        or not all(_is_int(dim) and dim >= 0 for dim in fields[1])
+        or not isinstance(fields[2], list)
+        or len(fields[2]) != 2
+        or not all(_is_int(offset) and offset >= 0 for offset in fields[2])
+        or fields[2][0] > fields[2][1]
+    ):
+        raise RepackError(
+            f"{path}: corrupt safetensors header entry for {name} (dtype, shape and data_offsets must be a string, "
+            "non-negative integers and two ordered integers); re-download or re-save it"
+        )
+    return fields[0], tuple(fields[1]), (fields[2][0], fields[2][1])
+
+
+def _check_tiling(path: Path, ranges: list[tuple[int, int, str]], data_bytes: int) -> None:
+    """The tensors' byte ranges, in order, cover the data region exactly once (the spec: no overlap, no hole)."""
+    position = 0
+    for start, end, name in sorted(ranges):
+        if start != position:
+            what = "overlaps the tensor before it" if start < position else f"leaves a hole at byte {position}"
+            raise RepackError(
+                f"{path}: corrupt safetensors header: tensor {name} (bytes {start}..{end}) {what}; re-download or "
+                "re-save it"
+            )
+        position = end
+    if position != data_bytes:
+        raise RepackError(
+            f"{path}: corrupt safetensors file: {data_bytes - position} bytes after the last tensor; re-download or "
+            "re-save it"
+        )
 
 
 class CheckpointReader:
@@ -152,8 +223,13 @@ class CheckpointReader:
         self.folder = Path(folder)
         self.files = self._weight_files()
         self.entries: dict[str, TensorEntry] = {}
+        self.metadata: dict[str, dict[str, str]] = {}  # file -> its header's __metadata__
+        header_budget = _MAX_HEADER_BYTES  # for all files together: many shards must not multiply it
         for file in self.files:
-            for name, entry in read_safetensors_header(self.folder / file).items():
+            header = parse_safetensors_header(self.folder / file, header_budget)
+            header_budget -= header.header_bytes
+            self.metadata[file] = header.metadata
+            for name, entry in header.entries.items():
                 if name in self.entries:
                     raise RepackError(
                         f"{self.folder / file}: tensor {name} also stored in {self.entries[name].file}; "
@@ -273,7 +349,7 @@ def _read_index(path: Path) -> dict[str, str]:
     try:
         data = json.loads(path.read_text())
         weight_map = data["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
         raise RepackError(f"{path}: not a valid safetensors index (no weight_map); re-download it") from None
     if not isinstance(weight_map, dict):
         raise RepackError(f"{path}: weight_map is not an object; re-download it")
@@ -587,6 +663,8 @@ class ShardedWriter:
         if self._tensor is not None and self._tensor.name == name:
             raise RepackError(f"output tensor {name} written twice; this is a converter bug, please report it")
         self._shard_index, self._tensor = next(self._plan, (-1, None))
+        while self._tensor is not None and self._tensor.name != name and not self._tensor.nbytes:
+            self._skip_empty()  # a zero-byte tensor has no pieces: it is complete once passed
         if self._tensor is None or self._tensor.name != name:
             expected = self._tensor.name if self._tensor else "nothing more"
             raise RepackError(
@@ -596,6 +674,11 @@ class ShardedWriter:
         if not self._remaining:
             self._put((self._shard_index, memoryview(b""), None))  # opens the shard of an empty tensor
         return self._tensor
+
+    def _skip_empty(self) -> None:
+        """Pass the current zero-byte tensor (opening its shard, whose header lists it) and take the next."""
+        self._put((self._shard_index, memoryview(b""), None))
+        self._shard_index, self._tensor = next(self._plan, (-1, None))
 
     def _put(self, item) -> None:
         with self._cond:
@@ -665,6 +748,10 @@ class ShardedWriter:
         if self._tensor is not None and self._remaining:
             raise RepackError(f"output tensor {self._tensor.name} is {self._remaining} bytes short at close")
         missing = next(self._plan, None)
+        while missing is not None and not missing[1].nbytes:
+            self._shard_index, self._tensor = missing
+            self._put((self._shard_index, memoryview(b""), None))
+            missing = next(self._plan, None)
         if missing is not None:
             raise RepackError(f"output tensor {missing[1].name} was never written; this is a converter bug")
         self._put(_END)
@@ -706,7 +793,7 @@ def read_config(folder: str | Path) -> dict:
         raise RepackError(f"{Path(folder)}: no {CONFIG_FILE}; is this a Hugging Face model folder?")
     try:
         config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise RepackError(f"{path}: not valid JSON ({_one_line(error)}); fix or re-download it") from None
     if not isinstance(config, dict):
         raise RepackError(f"{path}: not a JSON object; fix or re-download it")

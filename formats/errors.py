@@ -17,3 +17,9 @@ class RepackError(ValueError):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\x1b``, ``\\ud800``): names from a file must not
+    drive the user's terminal or break the one-line error."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

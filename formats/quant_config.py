@@ -9,18 +9,23 @@ the module names (relative to ``model.layers.{i}``) that were quantized; anythin
 from __future__ import annotations
 
 import re
+import reprlib
+import time
 from dataclasses import dataclass, field
+
+import regex
 
 from repack.formats.errors import RepackError
 from repack.formats.gptq import CHECKPOINT_FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, GptqScheme
 
 _LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
+REGEX_SECONDS = 5.0
 
 
 @dataclass
 class DynamicRule:
     quantized: bool
-    pattern: re.Pattern
+    pattern: regex.Pattern
     overrides: dict
 
 
@@ -31,6 +36,9 @@ class QuantConfig:
     base: GptqScheme
     rules: list[DynamicRule] = field(default_factory=list)
     block_modules: list[str] | None = None
+    # Why a budget: ``dynamic`` regexes come from the checkpoint, and one with nested quantifiers can backtrack
+    # for hours on a long module name; all matching of one config gets this many seconds in all.
+    regex_seconds_left: float = field(default_factory=lambda: REGEX_SECONDS)
 
     def scheme_for(self, module: str) -> GptqScheme | None:
         """The scheme of one module (full name), or None when the config says it is not quantized."""
@@ -39,13 +47,25 @@ class QuantConfig:
             if not any(_module_matches(entry, relative) for entry in self.block_modules):
                 return None
         for rule in self.rules:
-            if rule.pattern.match(module):
+            if self._matches(rule, module):
                 if not rule.quantized:
                     return None
                 return _make_scheme(
                     {**self._base_dict(), **rule.overrides}, f"{self.where} dynamic[{rule.pattern.pattern!r}]"
                 )
         return self.base
+
+    def _matches(self, rule: DynamicRule, module: str) -> bool:
+        start = time.monotonic()
+        try:
+            return rule.pattern.match(module, timeout=max(self.regex_seconds_left, 1e-3)) is not None
+        except TimeoutError:
+            raise RepackError(
+                f"{self.where}: dynamic rule {rule.pattern.pattern!r} takes too long to match module names "
+                "(nested quantifiers backtrack); simplify the regex"
+            ) from None
+        finally:
+            self.regex_seconds_left -= time.monotonic() - start
 
     def _base_dict(self) -> dict:
         return {
@@ -108,17 +128,44 @@ def parse_quant_config(raw: dict | None, where: str) -> QuantConfig:
     if not method and "bits" not in raw:
         raise RepackError(f"{where}: quantization config has neither quant_method nor bits; not a GPTQ checkpoint")
     base = _make_scheme(raw, where)
+    rules = _dynamic_rules(raw.get("dynamic"), where)
+    block_modules = _block_modules(raw.get("modules_in_block_to_quantize"), where)
+    return QuantConfig(raw=raw, where=where, base=base, rules=rules, block_modules=block_modules)
+
+
+def _dynamic_rules(dynamic: object, where: str) -> list[DynamicRule]:
+    """GPTQModel's ``dynamic``: an object of regex -> overrides (an object; anything for a ``-:`` rule)."""
+    if not dynamic:
+        return []
+    if not isinstance(dynamic, dict):
+        raise RepackError(
+            f"{where}: dynamic must be an object of regex -> overrides, not a {type(dynamic).__name__}; fix it"
+        )
     rules = []
-    for key, overrides in (raw.get("dynamic") or {}).items():
+    for key, overrides in dynamic.items():
         quantized = not key.startswith("-:")
+        if quantized and not isinstance(overrides, dict | None):
+            raise RepackError(
+                f"{where}: dynamic rule {key!r} must map to an object of overrides, not a {type(overrides).__name__}"
+            )
         pattern = key[2:] if key.startswith(("-:", "+:")) else key
         try:
-            compiled = re.compile(pattern)
-        except re.error as error:
+            compiled = regex.compile(pattern)
+        except (regex.error, ValueError, TypeError) as error:
             raise RepackError(f"{where}: dynamic rule {key!r} is not a valid regex ({error})") from None
         rules.append(DynamicRule(quantized, compiled, dict(overrides or {}) if quantized else {}))
-    block = raw.get("modules_in_block_to_quantize")
-    block_modules = (
-        [name for group in block for name in ([group] if isinstance(group, str) else group)] if block else None
-    )
-    return QuantConfig(raw=raw, where=where, base=base, rules=rules, block_modules=block_modules)
+    return rules
+
+
+def _block_modules(block: object, where: str) -> list[str] | None:
+    """``modules_in_block_to_quantize``: a list of module names or of lists of them, flattened."""
+    if not block:
+        return None
+    groups = block if isinstance(block, list) else []
+    names = [name for group in groups for name in (group if isinstance(group, list) else [group])]
+    if not groups or not all(isinstance(name, str) for name in names):
+        raise RepackError(
+            f"{where}: modules_in_block_to_quantize must be a list of module names (or of lists of them), not "
+            f"{reprlib.repr(block)}; fix it"
+        )
+    return names

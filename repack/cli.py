@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from repack.formats.errors import RepackError
+from repack.formats.errors import RepackError, printable
 
 app = typer.Typer(
     name="repack",
@@ -28,7 +28,7 @@ app = typer.Typer(
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+    return printable(" ".join(str(error).split())) or type(error).__name__
 
 
 @contextmanager
@@ -50,7 +50,7 @@ def one_line_errors() -> Iterator[None]:
         print("error: interrupted; nothing was written to the output folder", file=sys.stderr)
         raise typer.Exit(130) from None
     except OSError as error:
-        where = f" ({error.filename})" if error.filename else ""
+        where = f" ({printable(str(error.filename))})" if error.filename else ""
         print(f"error: {error.strerror or _one_line(error)}{where}", file=sys.stderr)
         raise typer.Exit(1) from None
 

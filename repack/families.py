@@ -9,6 +9,7 @@ be accounted for: a missing or extra one is an error that names it, never a sile
 from __future__ import annotations
 
 import re
+import reprlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,6 +36,43 @@ class Family:
     projection_sets: tuple[tuple[str, str, str], ...]  # expert (gate, up, down) names, accepted spellings
     shared_module: str | None  # shared expert module inside the block, None if the family has none
     is_sparse: Callable[[dict, int], bool]
+
+
+_INT_KEYS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_hidden_layers",
+    "decoder_sparse_step",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+)
+_LAYER_OF_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layout_keys(config: dict, where: str) -> None:
+    """The config keys that decide which layers and experts exist are of the types transformers gives them.
+
+    Why here: they come from a file a stranger wrote, and a string or a list where a count belongs would
+    otherwise surface as a TypeError deep in the planner."""
+    for key in _INT_KEYS:
+        value = config.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise RepackError(
+                f"{where}: {key} must be a non-negative integer, not {reprlib.repr(value)}; fix config.json"
+            )
+    dense = config.get("mlp_only_layers")
+    if dense is not None and not (
+        isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)
+    ):
+        raise RepackError(
+            f"{where}: mlp_only_layers must be a list of layer indices, not {reprlib.repr(dense)}; fix config.json"
+        )
+
+
+def layers_in_weights(names: Iterable[str]) -> int:
+    """1 + the highest decoder layer index any tensor name holds (0 when none does)."""
+    return max((int(match[1]) + 1 for name in names if (match := _LAYER_OF_NAME.search(name))), default=0)
 
 
 def num_routed_experts(config: dict) -> int:
@@ -104,8 +142,16 @@ def find_moe_layers(family: Family, config: dict, names: Iterable[str], where: s
         if match:
             found[match["block"]][int(match["expert"])][match["proj"]].add(match["suffix"])
             layer_root = match["layers"]
+    config_file = f"{where}/config.json"
+    check_layout_keys(config, config_file)
     num_experts = num_routed_experts(config)
     num_layers = int(config.get("num_hidden_layers") or 0)
+    present = layers_in_weights(names)
+    if num_layers > present:  # a count from the config never sizes a loop the weights cannot back
+        raise RepackError(
+            f"{config_file}: num_hidden_layers is {num_layers} but the weights hold {present} layers; fix config.json "
+            "or re-download the weights"
+        )
     sparse = [i for i in range(num_layers) if num_experts and family.is_sparse(config, i)]
     if not sparse or not found:
         raise RepackError(

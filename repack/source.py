@@ -107,7 +107,7 @@ def read_quantization_config(folder: Path, config: dict) -> tuple[dict | None, s
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise RepackError(f"{path}: not valid JSON; fix or re-download it") from None
         if isinstance(data, dict):
             return data, QUANTIZE_CONFIG_FILE

@@ -32,13 +32,23 @@ class VerifyReport:
 
 
 def read_manifest(out: Path) -> dict:
+    """The manifest, checked for the shape verify relies on (an object whose file tables map names to objects)."""
     path = out / MANIFEST_FILE
     if not path.is_file():
         raise RepackError(f"{out}: no {MANIFEST_FILE}; not a complete repack output (re-run repack convert)")
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise RepackError(f"{path}: not valid JSON; re-run repack convert") from None
+    if not isinstance(manifest, dict):
+        raise RepackError(f"{path}: not a JSON object; re-run repack convert")
+    for table in ("output_files", "source_files"):
+        files = manifest.get(table) or {}
+        if not isinstance(files, dict) or not all(isinstance(entry, dict) for entry in files.values()):
+            raise RepackError(f"{path}: {table} must map file names to {{sha256, size}} objects; re-run repack convert")
+    if not isinstance(manifest.get("source") or {}, dict):
+        raise RepackError(f"{path}: source must be an object; re-run repack convert")
+    return manifest
 
 
 def check_output_files(out: Path, manifest: dict, report: VerifyReport) -> None:
