@@ -37,6 +37,7 @@ from repack.formats.paths import check_inside, child_path
 from .stacks import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo
 
 SINGLE_FILE = "model.safetensors"
+CONVERSION_ID_KEY = "conversion_id"  # in the manifest, config.json's quantization_config, every header
 CONFIG_FILE = "config.json"
 READ_CHUNK = 16 << 20  # pieces of a large copied tensor (embeddings, lm_head) read at a time
 STAGING_BYTES = 16 << 20  # aligned write buffer of one output file (O_DIRECT writes of this size)
@@ -517,13 +518,14 @@ class ShardLayout:
 
     file: str
     tensors: list[PlannedTensor] = field(default_factory=list)
+    metadata: dict[str, str] | None = None  # the header's __metadata__ (None: {"format": "pt"})
 
     @property
     def data_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
     def header(self) -> bytes:
-        return safetensors_header(((t.name, t.dtype, t.shape) for t in self.tensors), None)
+        return safetensors_header(((t.name, t.dtype, t.shape) for t in self.tensors), self.metadata)
 
 
 def plan_shards(tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> list[ShardLayout]:
@@ -591,9 +593,13 @@ class ShardedWriter:
         max_shard_bytes: int,
         *,
         queue_bytes: int = QUEUE_BYTES,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.shards = plan_shards(tensors, max_shard_bytes)
+        self.metadata = metadata
+        for shard in self.shards:
+            shard.metadata = metadata
         self.total_bytes = sum(shard.data_bytes for shard in self.shards)
         self.written: list[WrittenFile] = []
         self.queue_bytes = queue_bytes
@@ -759,7 +765,7 @@ class ShardedWriter:
         self._raise_thread_error()
         self._closed = True
         weight_map = {t.name: shard.file for shard in self.shards for t in shard.tensors}
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        index = {"metadata": {**(self.metadata or {}), "total_size": self.total_bytes}, "weight_map": weight_map}
         self.written.append(write_json(self.folder / INDEX_FILE, index))
         return self.written
 
@@ -798,6 +804,21 @@ def read_config(folder: str | Path) -> dict:
     if not isinstance(config, dict):
         raise RepackError(f"{path}: not a JSON object; fix or re-download it")
     return config
+
+
+def check_one_conversion(folder: Path, config: dict, reader: CheckpointReader) -> None:
+    """Every shard carries the conversion id of config.json (formats/SPEC.md section 5), or the folder mixes files
+    of two conversions: it was replaced (``repack convert --force``) while being read, or edited by hand."""
+    expected = (config.get("quantization_config") or {}).get(CONVERSION_ID_KEY)
+    if expected is None:  # written before conversion ids
+        return
+    for file, metadata in reader.metadata.items():
+        found = metadata.get(CONVERSION_ID_KEY)
+        if found != expected:
+            raise RepackError(
+                f"{folder / file}: belongs to conversion {found!r} but config.json to {expected!r}: the folder mixes "
+                "two conversions (replaced while loading?); load it again, or re-convert"
+            )
 
 
 def read_repack_config(folder: str | Path) -> tuple[dict, list[StackInfo]]:

@@ -22,6 +22,7 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +39,14 @@ from rich.progress import (
 )
 
 from repack import __version__
-from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, ShardedWriter, WrittenFile, write_json
+from repack.formats.checkpoint import (
+    CONFIG_FILE,
+    CONVERSION_ID_KEY,
+    CheckpointReader,
+    ShardedWriter,
+    WrittenFile,
+    write_json,
+)
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero_points, write_zero_points
 from repack.formats.hashing import HASH_CHUNK, hash_file
@@ -351,7 +359,7 @@ def run_pack_stack(reader: CheckpointReader, step: PackStack) -> dict:
     return {name: torch.cat(pieces) for name, pieces in parts.items()}
 
 
-def output_config(plan: Plan) -> dict:
+def output_config(plan: Plan, conversion_id: str) -> dict:
     """config.json with quantization_config replaced as in formats/SPEC.md section 4."""
     config = copy.deepcopy(plan.source.config)
     base = plan.quant.base
@@ -364,6 +372,7 @@ def output_config(plan: Plan) -> dict:
         "sym": base.sym,
         "source_quantization_config": plan.source.quantization_config,
         "stacks": [info.to_json() for info in plan.stacks],
+        CONVERSION_ID_KEY: conversion_id,
     }
     return config
 
@@ -399,7 +408,9 @@ class Converter:
 
     def __init__(self, plan: Plan, reader: CheckpointReader, folder: Path, shard_bytes: int, quiet: bool) -> None:
         self.plan, self.reader, self.folder = plan, reader, folder
-        self.writer = ShardedWriter(folder, plan.output_tensors(), shard_bytes)
+        self.conversion_id = uuid.uuid4().hex  # ties every file of this run together (formats/SPEC.md section 5)
+        metadata = {"format": "pt", CONVERSION_ID_KEY: self.conversion_id}
+        self.writer = ShardedWriter(folder, plan.output_tensors(), shard_bytes, metadata=metadata)
         self.quiet = quiet
         self.current = str(folder)
         self._scratch = memoryview(bytearray(HASH_CHUNK))
@@ -466,7 +477,7 @@ class Converter:
             origin = check_inside(source.path, source.path / name)  # again, as it is opened
             sources[name] = outputs[name] = copy_file(origin, self.folder / name)
         self.current = str(self.folder / CONFIG_FILE)
-        written: WrittenFile = write_json(self.folder / CONFIG_FILE, output_config(self.plan))
+        written: WrittenFile = write_json(self.folder / CONFIG_FILE, output_config(self.plan, self.conversion_id))
         outputs[CONFIG_FILE] = {"sha256": written.sha256, "size": written.size}
         sha, size = hash_file(source.path / CONFIG_FILE)
         sources[CONFIG_FILE] = {"sha256": sha, "size": size}
@@ -481,6 +492,7 @@ class Converter:
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "converter_version": __version__,
+            CONVERSION_ID_KEY: self.conversion_id,
             "source": self.plan.source.provenance(),
             "source_files": dict(sorted(sources.items())),
             "output_files": dict(sorted(outputs.items())),

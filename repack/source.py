@@ -14,21 +14,10 @@ from pathlib import Path
 
 from repack.formats.checkpoint import CONFIG_FILE, read_config
 from repack.formats.errors import RepackError
+from repack.formats.hub import download_snapshot, looks_like_repo_id
 from repack.formats.paths import check_inside, tree_root
 
 QUANTIZE_CONFIG_FILE = "quantize_config.json"
-HUB_ALLOW_PATTERNS = [
-    "*.json",
-    "*.safetensors",
-    "tokenizer*",
-    "*.txt",
-    "*.model",
-    "*.tiktoken",
-    "*.jinja",
-    "*.py",
-    "*.md",
-]
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -53,32 +42,6 @@ class SourceCheckpoint:
         if self.repo_id:
             return {"repo_id": self.repo_id, "revision": self.revision}
         return {"path": str(self.path.resolve()), "revision": None}
-
-
-def looks_like_repo_id(src: str) -> bool:
-    return bool(_REPO_ID.match(src)) and not src.startswith((".", "/", "~"))
-
-
-def download_snapshot(repo_id: str, revision: str | None) -> Path:
-    """``snapshot_download`` with one-line errors (offline and not cached, unknown repo or revision)."""
-    import huggingface_hub
-    from huggingface_hub import errors as hub_errors
-
-    try:
-        folder = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
-    except hub_errors.LocalEntryNotFoundError:
-        raise RepackError(
-            f"{repo_id}: not in the local Hugging Face cache and the Hub is unreachable (or HF_HUB_OFFLINE=1); "
-            "download it once with network access or pass a local folder"
-        ) from None
-    except hub_errors.RevisionNotFoundError:
-        raise RepackError(f"{repo_id}: revision {revision!r} not found on the Hub; check --revision") from None
-    except hub_errors.RepositoryNotFoundError:
-        raise RepackError(f"{repo_id}: repository not found on the Hub (or gated/private: log in)") from None
-    except (hub_errors.HfHubHTTPError, OSError, ValueError) as error:
-        message = " ".join(str(error).split())[:300]
-        raise RepackError(f"{repo_id}: download failed ({message}); check the id, network and --revision") from None
-    return Path(folder)
 
 
 def list_files(folder: Path) -> list[str]:

@@ -18,9 +18,18 @@ from pathlib import Path
 
 import torch
 
-from repack.formats.checkpoint import CheckpointReader, read_repack_config, read_safetensors_header
+from repack.formats.checkpoint import (
+    CONVERSION_ID_KEY,
+    CheckpointReader,
+    check_one_conversion,
+    read_repack_config,
+    read_safetensors_header,
+)
 from repack.formats.errors import RepackError
+from repack.formats.hub import download_snapshot, looks_like_repo_id
+from repack.formats.integrity import check_output_files, read_manifest
 from repack.formats.stacks import ROUTED, SHARED, StackInfo
+from repack.runtime.kernels.backend import check_kernel_backend
 from repack.runtime.moe_block import MoeBlock, resolve_shared_mode
 from repack.runtime.weights import MoeWeights, join_adjacent
 
@@ -52,6 +61,7 @@ class ShardLayout:
     data_start: int
     data_bytes: int
     entries: tuple[TensorEntry, ...]
+    identity: tuple[int, int] = (0, 0)  # (device, inode) of the file the header came from
 
 
 def read_shard_layout(file: Path, header: dict | None = None) -> ShardLayout:
@@ -69,7 +79,8 @@ def read_shard_layout(file: Path, header: dict | None = None) -> ShardLayout:
         TensorEntry(e.name, e.torch_dtype, e.shape, e.offset - data_start, e.offset - data_start + e.nbytes)
         for e in header.values()
     )
-    return ShardLayout(file, data_start, file.stat().st_size - data_start, entries)
+    stat = file.stat()
+    return ShardLayout(file, data_start, stat.st_size - data_start, entries, (stat.st_dev, stat.st_ino))
 
 
 def _read_exactly(handle, target: memoryview, file: Path) -> None:
@@ -109,6 +120,11 @@ class HostStaging:
 def read_shard_bytes(layout: ShardLayout, device: torch.device, staging: HostStaging | None) -> torch.Tensor:
     """The shard's whole data region as one uint8 tensor on ``device`` (one buffer, filled by plain copies)."""
     with open(layout.path, "rb", buffering=0) as handle:
+        stat = os.fstat(handle.fileno())
+        if layout.identity != (0, 0) and (stat.st_dev, stat.st_ino) != layout.identity:
+            raise RepackError(
+                f"{layout.path}: replaced while loading (another `repack convert --force`?); load it again"
+            )
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         handle.seek(layout.data_start)
@@ -133,12 +149,18 @@ def tensor_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return raw.view(entry.dtype).view(entry.shape)
 
 
-def load_tensors(folder: Path, device: torch.device, chunk_bytes: int) -> dict[str, torch.Tensor]:
+def load_tensors(
+    folder: Path, device: torch.device, chunk_bytes: int, config: dict | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of every shard, on ``device``, as views of one byte buffer per shard.
 
-    The shards and their headers come from the format's reader (index, missing or truncated shards checked).
+    The shards and their headers come from the format's reader (index, missing or truncated shards checked);
+    with ``config`` (config.json), every shard must carry its conversion id, and every shard read must be the
+    file whose header was parsed: a folder replaced while loading is refused, never loaded as a mix.
     """
     reader = CheckpointReader(folder)
+    if config is not None:
+        check_one_conversion(folder, config, reader)
     layouts = [
         read_shard_layout(folder / file, {n: e for n, e in reader.entries.items() if e.file == file})
         for file in reader.files
@@ -246,29 +268,66 @@ def load(
     *,
     chunk_bytes: int = STAGING_CHUNK_BYTES,
     shared_mode: str | None = None,
+    revision: str | None = None,
+    verify: bool = False,
 ) -> RepackCheckpoint:
-    """Load a repack-moe checkpoint folder onto ``device``, every tensor exactly as stored.
+    """Load a repack-moe checkpoint (a folder, or a Hub id ``org/name``) onto ``device``, every tensor as stored.
 
-    ``dtype`` is the activation dtype (float16 or bfloat16) of the blocks that ``moe_block`` builds; the
-    stored tensors keep their own dtypes. ``chunk_bytes`` is the size of each pinned staging buffer (GPU).
-    ``shared_mode`` is how those blocks run a stacked shared expert: "joined" (one fused_moe call with the
-    routed experts, where the files allow it) or "separate" (a second call); None takes
-    ``runtime.moe_block.DEFAULT_SHARED_MODE``.
+    A Hub id is fetched as ``from_pretrained`` does (the local cache first; ``revision`` picks a branch, tag or
+    commit; ``HF_HUB_OFFLINE=1`` uses only the cache). ``dtype`` is the activation dtype (float16 or bfloat16) of
+    the blocks that ``moe_block`` builds; the stored tensors keep their own dtypes. ``chunk_bytes`` is the size of
+    each pinned staging buffer (GPU). ``shared_mode`` is how those blocks run a stacked shared expert: "joined"
+    (one fused_moe call with the routed experts, where the files allow it) or "separate" (a second call); None
+    takes ``runtime.moe_block.DEFAULT_SHARED_MODE``. ``verify=True`` first checks every file's sha256 against
+    the manifest (reads the checkpoint twice), so an edited or corrupt file is refused instead of loaded.
+    Always: all files must belong to one conversion (its id), so a folder replaced while loading is refused.
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise RepackError(f"{folder}: not a folder; pass the output folder of `repack convert`")
+    folder = resolve_checkpoint_folder(path, revision)
     if dtype not in ACTIVATION_DTYPES:
         raise RepackError(f"load: dtype {dtype} is not supported for activations; use torch.float16 or torch.bfloat16")
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise RepackError(f"load: device {device} is not supported; use 'cuda' (or 'cpu' for tests)")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RepackError(f"load: device {device} requested but no CUDA GPU is available; pass device='cpu'")
+        raise RepackError(
+            f"load: device {device} requested but no CUDA GPU is available; the kernels need one (device='cpu' "
+            "runs them only in the Triton interpreter, for tests: set TRITON_INTERPRET=1 before importing torch)"
+        )
+    check_kernel_backend(device, "load")  # on the CPU: the interpreter, or one clear error now
     shared_mode = resolve_shared_mode(shared_mode)  # a wrong mode fails here, not at the first block
     config, stacks = read_repack_config(folder)
-    tensors = load_tensors(folder, device, chunk_bytes)
+    if verify:
+        verify_files(folder, config)
+    tensors = load_tensors(folder, device, chunk_bytes, config)
     return RepackCheckpoint(folder, config, stacks, tensors, device, dtype, shared_mode)
+
+
+def resolve_checkpoint_folder(path: str | os.PathLike, revision: str | None) -> Path:
+    """A local folder as is; otherwise a Hub id's snapshot folder (formats.hub); one clear error for anything else."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if revision is not None:
+            raise RepackError(f"load: {folder} is a local folder; revision= only applies to Hub ids")
+        return folder
+    if folder.exists():
+        raise RepackError(f"{folder}: not a folder; pass the output folder of `repack convert` or a Hub id")
+    if looks_like_repo_id(str(path)):
+        return download_snapshot(str(path), revision)
+    raise RepackError(
+        f"{folder}: no such folder (and not a Hub id org/name); pass the output folder of `repack convert`"
+    )
+
+
+def verify_files(folder: Path, config: dict) -> None:
+    """Every file against the manifest's sha256, and the manifest of this conversion (formats.integrity)."""
+    manifest = read_manifest(folder)
+    check_output_files(folder, manifest)
+    expected = (config.get("quantization_config") or {}).get(CONVERSION_ID_KEY)
+    if manifest.get(CONVERSION_ID_KEY) != expected:
+        raise RepackError(
+            f"{folder}: the manifest belongs to conversion {manifest.get(CONVERSION_ID_KEY)!r} but config.json to "
+            f"{expected!r}; the folder mixes two conversions, re-convert"
+        )
 
 
 __all__ = ["RepackCheckpoint", "load", "SHARED", "ROUTED"]

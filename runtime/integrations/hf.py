@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +30,7 @@ from torch import nn
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqFormatError, GptqLinear
 from repack.formats.stacks import SHARED
+from repack.runtime.kernels.backend import check_kernel_backend
 from repack.runtime.kernels.gptq_linear import GptqW4A16Linear
 from repack.runtime.loader import RepackCheckpoint, load
 from repack.runtime.moe_block import MoeBlock
@@ -68,27 +68,6 @@ class HfMoeBlock(nn.Module):
 
 
 # -------------------------------------------------------------------------------------------- kernels
-
-
-def check_kernel_backend(device: torch.device, caller: str = "load_hf_model") -> None:
-    """On the CPU the kernels can only run in the Triton interpreter; refuse early if it is off.
-
-    When nothing has imported triton yet, ``TRITON_INTERPRET=1`` is set here so the kernels are defined
-    for the interpreter; once triton is imported without it, only a new process can switch.
-    """
-    if device.type != "cpu":
-        return
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from repack.runtime.kernels import gptq_linear
-
-    if not isinstance(gptq_linear._gptq_linear_kernel, InterpretedFunction):
-        raise RepackError(
-            f"{caller}: device='cpu' needs the Triton interpreter, but triton was imported without "
-            "TRITON_INTERPRET=1; set TRITON_INTERPRET=1 before importing torch/triton, or use device='cuda'"
-        )
 
 
 # -------------------------------------------------------------------------------------- model skeleton
@@ -306,7 +285,7 @@ def load_hf_model(
     :func:`repack.runtime.load`; None takes ``runtime.moe_block.DEFAULT_SHARED_MODE``).
     """
     device = torch.device(device)
-    check_kernel_backend(device)
+    check_kernel_backend(device, "load_hf_model")
     ckpt = load(path, device, dtype, shared_mode=shared_mode)
     model = build_skeleton(hf_config(ckpt), dtype)
     consumed = install_moe_blocks(model, ckpt)

@@ -84,11 +84,13 @@ def converted(tmp_path) -> Path:
 @pytest.mark.parametrize("section", ["output_files", "source_files"])
 @pytest.mark.parametrize("outside", ["../elsewhere/secret.txt", "ABSOLUTE"])
 def test_verify_never_hashes_files_outside_the_folder(converted, secret, section, outside, monkeypatch):
+    import repack.formats.integrity
     import repack.verify
 
     hashed: list[Path] = []
     real_hash = repack.verify.hash_file
-    monkeypatch.setattr(repack.verify, "hash_file", lambda path: hashed.append(Path(path)) or real_hash(path))
+    for module in (repack.verify, repack.formats.integrity):
+        monkeypatch.setattr(module, "hash_file", lambda path: hashed.append(Path(path)) or real_hash(path))
     name = str(secret) if outside == "ABSOLUTE" else outside
     manifest_path = converted / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())

@@ -149,7 +149,7 @@ def test_refuses_a_truncated_shard(sharded, tmp_path):
 
 
 def test_refuses_a_missing_folder_and_float32_activations(tmp_path, sharded):
-    assert_one_line_error(tmp_path / "nowhere", "not a folder")
+    assert_one_line_error(tmp_path / "nowhere", "no such folder")
     assert_one_line_error(sharded, "not supported for activations", dtype=torch.float32)
 
 

@@ -1,0 +1,35 @@
+"""Which backend the kernels run on: a CUDA GPU, or on the CPU the Triton interpreter (tests, no GPU).
+
+Why a check: Triton decides at import whether its kernels are interpreted, so a CPU run whose triton was imported
+without ``TRITON_INTERPRET=1`` dies deep inside Triton ("0 active drivers"); callers check first and say what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from repack.formats.errors import RepackError
+
+
+def check_kernel_backend(device: torch.device, caller: str) -> None:
+    """On the CPU the kernels can only run in the Triton interpreter; refuse early if it is off.
+
+    When nothing has imported triton yet, ``TRITON_INTERPRET=1`` is set here so the kernels are defined
+    for the interpreter; once triton is imported without it, only a new process can switch.
+    """
+    if device.type != "cpu":
+        return
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from repack.runtime.kernels import gptq_linear
+
+    if not isinstance(gptq_linear._gptq_linear_kernel, InterpretedFunction):
+        raise RepackError(
+            f"{caller}: device='cpu' needs the Triton interpreter, but triton was imported without "
+            "TRITON_INTERPRET=1; set TRITON_INTERPRET=1 before importing torch/triton, or use device='cuda'"
+        )
