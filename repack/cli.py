@@ -8,15 +8,37 @@ non-zero; no traceback is ever shown for them.
 from __future__ import annotations
 
 import functools
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import typer
-from rich.console import Console
+_startup_interrupts: list[int] = []
 
-from repack.formats.errors import RepackError, printable
+
+def _record_interrupt(signum, frame) -> None:
+    _startup_interrupts.append(signum)
+
+
+def _started_as_the_command() -> bool:
+    """``repack ...`` (the console script) or ``python -m repack.cli``, not an import by a test or a library."""
+    main = sys.modules.get("__main__")
+    return __name__ == "__main__" or Path(getattr(main, "__file__", None) or "").name == "repack"
+
+
+# Why before the imports below: Ctrl-C while a module (typer, then torch) is half imported leaves it broken and
+# prints a long traceback; the interrupt is held until the imports are done (``_imports_uninterrupted``).
+if _started_as_the_command() and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, _record_interrupt)
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from repack.formats.errors import RepackError, printable  # noqa: E402
+
+INTERRUPTED = "error: interrupted; nothing was written to the output folder"
 
 app = typer.Typer(
     name="repack",
@@ -32,12 +54,32 @@ def _one_line(error: BaseException) -> str:
 
 
 @contextmanager
+def _imports_uninterrupted() -> Iterator[None]:
+    """Hold Ctrl-C until the block (slow imports) is done, then raise it (also one that came during start-up)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _record_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is _record_interrupt else previous)
+    if _startup_interrupts:
+        _startup_interrupts.clear()
+        raise KeyboardInterrupt
+
+
+@contextmanager
 def one_line_errors() -> Iterator[None]:
     """Print known failures as ``error: <one line>`` on stderr and exit with a non-zero code."""
-    from safetensors import SafetensorError
+    try:
+        with _imports_uninterrupted():  # torch, through formats.gptq: the slow one
+            from safetensors import SafetensorError
 
-    from repack.formats.gptq import GptqFormatError
-
+            from repack.formats.gptq import GptqFormatError
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        raise typer.Exit(130) from None
     try:
         yield
     except RepackError as error:
@@ -47,7 +89,7 @@ def one_line_errors() -> Iterator[None]:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        print("error: interrupted; nothing was written to the output folder", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         raise typer.Exit(130) from None
     except OSError as error:
         where = f" ({printable(str(error.filename))})" if error.filename else ""
@@ -125,7 +167,12 @@ def demo(
     generate: bool = typer.Option(True, "--generate/--no-generate", help="Run greedy generate (slowest on a CPU)."),
 ) -> None:
     """Write a tiny GPTQ MoE, convert, verify, run it on the runtime and transformers, preview the push."""
-    from repack.demo import demo_command
+    try:
+        with _imports_uninterrupted():
+            from repack.demo import demo_command
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        raise typer.Exit(130) from None
 
     demo_command(out_dir, force=force, generate=generate)
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,27 @@ def test_sigkill_leaves_no_output_and_next_run_cleans_the_stale_temp(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert not temp.exists() and (out / "repack_manifest.json").is_file()
+
+
+REPACK = Path(sys.executable).parent / "repack"  # the installed console script: the real entry point
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5, 2.5])
+def test_ctrl_c_while_starting_up_is_one_line_and_writes_nothing(tmp_path, delay):
+    """Ctrl-C while typer and torch are being imported: the one line, exit 130, no OUT, never a traceback."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [str(REPACK), "convert", str(SRC), str(out), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    if proc.returncode == 0:  # the whole run beat the signal: nothing to check but a complete OUT
+        assert (out / "repack_manifest.json").is_file()
+        return
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["error: interrupted; nothing was written to the output folder"], stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
