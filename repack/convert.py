@@ -5,8 +5,9 @@ are written joined, tensor by tensor), one source expert's qweights per stack, a
 of pieces not yet on disk, whatever the model size. Every byte written is hashed as it is written; source
 weight files are hashed by a background thread while the conversion reads them (the page cache serves both),
 other files are hashed while they are copied. OUT appears only complete: the
-output is built in ``.OUT.tmp-<pid>`` next to OUT and renamed at the end; on any error or Ctrl-C the
-temp folder is removed, and a temp folder left by a killed run is never named like OUT.
+output is built in ``.OUT.tmp-<pid>`` next to OUT and published by :mod:`repack.publish` (fsync, then a rename
+that never replaces another run's OUT, or an atomic exchange with --force); on any error or Ctrl-C before that
+the temp folder is removed, and a temp folder left by a killed run is never named like OUT.
 """
 
 from __future__ import annotations
