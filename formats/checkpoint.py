@@ -109,6 +109,7 @@ class SafetensorsHeader:
     entries: dict[str, TensorEntry]
     metadata: dict[str, str]
     header_bytes: int
+    identity: tuple[int, int]  # (device, inode) of the file read: a reader can tell if the path was replaced
 
 
 def parse_safetensors_header(path: Path, max_header_bytes: int = _MAX_HEADER_BYTES) -> SafetensorsHeader:
@@ -119,8 +120,9 @@ def parse_safetensors_header(path: Path, max_header_bytes: int = _MAX_HEADER_BYT
     non-negative integers and names valid UTF-8 (what safetensors itself requires to open the file again).
     """
     try:
-        size = path.stat().st_size
         with path.open("rb") as handle:
+            stat = os.fstat(handle.fileno())
+            size = stat.st_size
             raw_len = handle.read(8)
             if len(raw_len) < 8:
                 raise RepackError(f"{path}: truncated safetensors file ({size} bytes); re-download or re-save it")
@@ -168,7 +170,7 @@ def parse_safetensors_header(path: Path, max_header_bytes: int = _MAX_HEADER_BYT
         entries[name] = TensorEntry(name, path.name, shape, dtype, 8 + header_len + start)
         ranges.append((start, end, name))
     _check_tiling(path, ranges, data_bytes)
-    return SafetensorsHeader(entries, metadata, header_len)
+    return SafetensorsHeader(entries, metadata, header_len, (stat.st_dev, stat.st_ino))
 
 
 def _is_int(value: object) -> bool:
@@ -225,11 +227,13 @@ class CheckpointReader:
         self.files = self._weight_files()
         self.entries: dict[str, TensorEntry] = {}
         self.metadata: dict[str, dict[str, str]] = {}  # file -> its header's __metadata__
+        self.identities: dict[str, tuple[int, int]] = {}  # file -> (device, inode) its header was read from
         header_budget = _MAX_HEADER_BYTES  # for all files together: many shards must not multiply it
         for file in self.files:
             header = parse_safetensors_header(self.folder / file, header_budget)
             header_budget -= header.header_bytes
             self.metadata[file] = header.metadata
+            self.identities[file] = header.identity
             for name, entry in header.entries.items():
                 if name in self.entries:
                     raise RepackError(

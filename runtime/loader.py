@@ -61,10 +61,10 @@ class ShardLayout:
     data_start: int
     data_bytes: int
     entries: tuple[TensorEntry, ...]
-    identity: tuple[int, int] = (0, 0)  # (device, inode) of the file the header came from
+    identity: tuple[int, int]  # (device, inode) of the file the header came from
 
 
-def read_shard_layout(file: Path, header: dict | None = None) -> ShardLayout:
+def read_shard_layout(file: Path, header: dict | None = None, identity: tuple[int, int] | None = None) -> ShardLayout:
     """Where a shard's data region starts and where each tensor lies in it.
 
     The header is parsed and checked (dtypes, sizes, ranges inside the file) by the format's own reader,
@@ -80,7 +80,8 @@ def read_shard_layout(file: Path, header: dict | None = None) -> ShardLayout:
         for e in header.values()
     )
     stat = file.stat()
-    return ShardLayout(file, data_start, stat.st_size - data_start, entries, (stat.st_dev, stat.st_ino))
+    identity = (stat.st_dev, stat.st_ino) if identity is None else identity  # the file the header came from
+    return ShardLayout(file, data_start, stat.st_size - data_start, entries, identity)
 
 
 def _read_exactly(handle, target: memoryview, file: Path) -> None:
@@ -121,7 +122,7 @@ def read_shard_bytes(layout: ShardLayout, device: torch.device, staging: HostSta
     """The shard's whole data region as one uint8 tensor on ``device`` (one buffer, filled by plain copies)."""
     with open(layout.path, "rb", buffering=0) as handle:
         stat = os.fstat(handle.fileno())
-        if layout.identity != (0, 0) and (stat.st_dev, stat.st_ino) != layout.identity:
+        if (stat.st_dev, stat.st_ino) != layout.identity:
             raise RepackError(
                 f"{layout.path}: replaced while loading (another `repack convert --force`?); load it again"
             )
@@ -162,7 +163,9 @@ def load_tensors(
     if config is not None:
         check_one_conversion(folder, config, reader)
     layouts = [
-        read_shard_layout(folder / file, {n: e for n, e in reader.entries.items() if e.file == file})
+        read_shard_layout(
+            folder / file, {n: e for n, e in reader.entries.items() if e.file == file}, reader.identities[file]
+        )
         for file in reader.files
     ]
     staging = None
