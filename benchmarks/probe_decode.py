@@ -84,7 +84,7 @@ def main() -> None:
             out = torch.empty(m, hidden, device="cuda", dtype=torch.float16)
             reference = fused_moe(x[0], stacks[0], routes[0][0], routes[0][1], config=decode_configs()[0])
             table = get_config(stacks[0], m, top_k, torch.float16, torch.device("cuda"))
-            configs = [table, *decode_configs()]
+            configs = [table.to_dict(), *decode_configs()]
             if args.ncu:  # the table's config, the plain decode kernel and its 4-slice split
                 configs = [table, configs[1], configs[3]]
             for cfg in configs:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_moe import CASES, check_case, log, random_stack, rotation, time_graph
-from repack.runtime.kernel_config import device_name, load_configs
+from repack.runtime.kernel_config import Kernels, device_name, load_configs
 from repack.runtime.tune import DECODE_CONFIGS, TENSOR_CORE_CONFIGS, WEIGHT_MAJOR_CONFIGS, candidate_configs
 
 # One search space for the sweep and for `repack tune` (runtime/tune.py).
@@ -51,8 +52,15 @@ def main() -> None:
         stacks = random_stack(case.experts, case.hidden, case.inter, rotation(expert_bytes * case.top_k))
         for dtype in () if args.no_checks else (torch.float16, torch.bfloat16):
             log(f"check {case.name} {dtype}: {check_case(case, dtype, stacks[0]):.2e} (heuristic)")
-            for cfg in (MMA[5], DECODE[2], DECODE[3], dict(MMA[5], SCALE_ACC=False), WEIGHT_MAJOR[6], WEIGHT_MAJOR[7]):
-                log(f"check {case.name} {dtype} {cfg}: {check_case(case, dtype, stacks[0], dict(cfg)):.2e}")
+            for cfg in (
+                MMA[5],
+                DECODE[2],
+                DECODE[3],
+                replace(MMA[5], scale_acc=False),
+                WEIGHT_MAJOR[6],
+                WEIGHT_MAJOR[7],
+            ):
+                log(f"check {case.name} {dtype} {cfg.to_dict()}: {check_case(case, dtype, stacks[0], cfg):.2e}")
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, case.hidden, device="cuda", dtype=torch.float16)
             ids = torch.stack([torch.randperm(case.experts, device="cuda")[: case.top_k] for _ in range(m)]).int()
@@ -63,7 +71,7 @@ def main() -> None:
             if args.only_weight_major or args.only_shipped:
                 shipped = load_configs(case.experts, case.inter, device_name("cuda")) or {}
                 nearest = [shipped[min(shipped, key=lambda k: abs(k - m))]] if shipped else []
-                weight_major = [] if args.only_shipped else [c for c in candidates if c.get("WEIGHT_MAJOR")]
+                weight_major = [] if args.only_shipped else [c for c in candidates if c.kernels is Kernels.WEIGHT_MAJOR]
                 candidates = nearest + weight_major
             for c in candidates:
 
@@ -74,13 +82,13 @@ def main() -> None:
                 try:
                     t = time_graph(run, 20) / len(stacks)
                 except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
-                    log(f"  {case.name} M={m} {c} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                    log(f"  {case.name} M={m} {c.to_dict()} failed: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
                 timings.append((t, c))
-                results.append(dict(case=case.name, M=m, us=t, config=c))
+                results.append(dict(case=case.name, M=m, us=t, config=c.to_dict()))
             timings.sort(key=lambda p: p[0])
             for t, c in timings[:3]:
-                log(f"  {case.name:12s} M={m:5d} {t:9.1f} us  {c}")
+                log(f"  {case.name:12s} M={m:5d} {t:9.1f} us  {c.to_dict()}")
             Path(args.out, f"sweep_moe{args.tag}.json").write_text(json.dumps(results, indent=1))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,24 +19,14 @@ import torch
 from repack.formats.errors import RepackError
 from repack.formats.stacks import MMA128_ORDER, choose_word_order
 from repack.runtime.fused_moe import fused_moe
-from repack.runtime.kernel_config import config_file_name, device_name, heuristic_config
+from repack.runtime.kernel_config import KernelConfig, Kernels, config_file_name, device_name, heuristic_config
 from repack.runtime.weights import MoeWeights
 
 TUNE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 DECODE_CONFIGS = [  # CUDA-core decode kernels (runtime/kernels/decode.py): tile, warps, prefetch depth, K slices
-    dict(
-        BLOCK_M=16,
-        BLOCK_N=bn,
-        BLOCK_K=128,
-        GROUP_M=1,
-        num_warps=warps,
-        num_stages=1,
-        DIRECT=True,
-        PREFETCH=depth,
-        SPLIT_K=split,
-    )  # fmt: skip
+    KernelConfig(Kernels.DECODE, 16, bn, 128, 1, warps, 1, direct=True, prefetch=depth, split_k=split)
     for bn, warps in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
     for depth in (1, 2)
     for split in (1, 2, 4, 8)
@@ -51,8 +42,8 @@ _TILES = (  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     (128, 128, 128, 8, 8, 3),
     (128, 256, 128, 8, 8, 2),
 )
-TENSOR_CORE_CONFIGS = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=st, NIBBLE_DOTS=nibble)
+TENSOR_CORE_CONFIGS = [  # the gptq-order kernels (runtime/kernels/gptq_order.py)
+    KernelConfig(Kernels.GPTQ_ORDER, bm, bn, bk, g, w, st, nibble_dots=nibble)
     for bm, bn, bk, g, w, st in _TILES
     for nibble in ((False, True) if bk == 128 else (False,))
 ]
@@ -71,38 +62,20 @@ _WEIGHT_MAJOR_TILES = (  # BLOCK_M (tokens), BLOCK_N (w2 rows; w13 channels), GR
     (128, 128, 8, 8, 3),
 )
 WEIGHT_MAJOR_CONFIGS = [  # BLOCK_K is fixed at 128 by these kernels (runtime/kernels/weight_major.py)
-    dict(
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=128,
-        GROUP_M=g,
-        num_warps=w,
-        num_stages=st,
-        WEIGHT_MAJOR=True,
-        SCALE_ACC=False,
-        QUANT_AHEAD=ahead,
-    )
+    KernelConfig(Kernels.WEIGHT_MAJOR, bm, bn, 128, g, w, st, scale_acc=False, quant_ahead=ahead)
     for bm, bn, g, w, st in _WEIGHT_MAJOR_TILES
     for ahead in (False, True)  # scales a K step ahead: faster on some tiles, a layout conversion on others
 ]
 WEIGHT_MAJOR_DIRECT_CONFIGS = [  # decode: one block per (token, expert) pair, no alignment launch
-    dict(
-        BLOCK_M=16,
-        BLOCK_N=bn,
-        BLOCK_K=128,
-        GROUP_M=1,
-        num_warps=4,
-        num_stages=st,
-        WEIGHT_MAJOR=True,
-        SCALE_ACC=False,
-        DIRECT=True,
-    )  # fmt: skip
+    KernelConfig(Kernels.WEIGHT_MAJOR, 16, bn, 128, 1, 4, st, direct=True, scale_acc=False)
     for bn in (32, 64)
     for st in (3, 5)
 ]
 
 
-def candidate_configs(num_tokens: int, top_k: int, num_experts: int, word_order: str = MMA128_ORDER) -> list[dict]:
+def candidate_configs(
+    num_tokens: int, top_k: int, num_experts: int, word_order: str = MMA128_ORDER
+) -> list[KernelConfig]:
     """The search space that found the shipped H200 tables (benchmarks/RESULTS.md).
 
     Decode (CUDA-core or weight-major, one block per pair) while pairs are few; tensor-core tiles whose
@@ -113,15 +86,11 @@ def candidate_configs(num_tokens: int, top_k: int, num_experts: int, word_order:
     rows_per_expert = pairs / max(1, num_experts)
     configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 128 else []
     tiles = WEIGHT_MAJOR_CONFIGS if word_order == MMA128_ORDER else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
-    configs += [c for c in tiles if c["BLOCK_M"] <= max(16, 4 * rows_per_expert)]
+    configs += [c for c in tiles if c.block_m <= max(16, 4 * rows_per_expert)]
     reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
     # The CUDA-core decode kernels always sum the top-k in w2: REDUCE does not apply to them.
-    decode = [c for c in configs if _cuda_core(c)]
-    return decode + [dict(c, REDUCE=r) for c in configs if not _cuda_core(c) for r in reduces]
-
-
-def _cuda_core(cfg: dict) -> bool:
-    return bool(cfg.get("DIRECT")) and not cfg.get("WEIGHT_MAJOR")
+    decode = [c for c in configs if c.kernels is Kernels.DECODE]
+    return decode + [replace(c, reduce=r) for c in configs if c.kernels is not Kernels.DECODE for r in reduces]
 
 
 def random_stack(
@@ -168,11 +137,13 @@ def time_graph(fn, replays: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
 
 
-def tune_shape(e: int, h: int, i: int, top_k: int, dtype: torch.dtype, token_counts: Iterable[int]) -> dict[int, dict]:
+def tune_shape(
+    e: int, h: int, i: int, top_k: int, dtype: torch.dtype, token_counts: Iterable[int]
+) -> dict[int, KernelConfig]:
     """Best config per M for one shape on the current GPU."""
     copies = max(2, -(-240 * 2**20 // int(top_k * 1.5 * h * i)))
     weights = random_stack(e, h, i, min(copies, 16))
-    best: dict[int, dict] = {}
+    best: dict[int, KernelConfig] = {}
     for m in token_counts:
         x = torch.randn(m, h, device="cuda").to(dtype)
         ids = torch.stack([torch.randperm(e, device="cuda")[:top_k] for _ in range(m)]).to(torch.int32)
@@ -186,7 +157,10 @@ def tune_shape(e: int, h: int, i: int, top_k: int, dtype: torch.dtype, token_cou
             run = lambda cfg=cfg, x=x, ids=ids, w=w: [fused_moe(x, wt, ids, w, config=cfg) for wt in weights]  # noqa: E731
             timings.append((time_graph(run, 30) / len(weights), cfg))
         best[m] = min(timings, key=lambda t: t[0])[1]
-        print(f"E={e} H={h} I={i} top_k={top_k} M={m}: {min(t for t, _ in timings):.1f} us {best[m]}", flush=True)
+        print(
+            f"E={e} H={h} I={i} top_k={top_k} M={m}: {min(t for t, _ in timings):.1f} us {best[m].to_dict()}",
+            flush=True,
+        )
     return best
 
 
@@ -200,6 +174,6 @@ def tune(shapes: Iterable[tuple[int, int, int, int]], dtype: torch.dtype, out_di
     for e, h, i, top_k in shapes:
         table = tune_shape(e, h, i, top_k, dtype, TUNE_TOKEN_COUNTS)
         path = out / config_file_name(e, i, device_name("cuda"))
-        path.write_text(json.dumps({str(m): cfg for m, cfg in table.items()}, indent=1) + "\n")
+        path.write_text(json.dumps({str(m): cfg.to_dict() for m, cfg in table.items()}, indent=1) + "\n")
         written.append(path)
     return written

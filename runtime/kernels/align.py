@@ -1,6 +1,6 @@
 """Token-to-expert block alignment on the GPU: one Triton launch, no host synchronisation.
 
-The fused MoE GEMMs work on blocks of BLOCK_M rows that all use one expert. This module sorts the
+The tensor-core families work on blocks of BLOCK_M rows that all use one expert. This module sorts the
 (token, k) pairs by expert and pads every expert's segment to a multiple of BLOCK_M with a sentinel pair
 (``M * k``, masked by the GEMMs). Sizes are upper bounds known on the host (``max_blocks``), the real
 block count stays in device memory (``num_blocks``), so the whole step is CUDA-graph capturable.
@@ -97,25 +97,6 @@ def _align_kernel(
         known = tl.sum(onehot, axis=1) > 0
         tl.store(sorted_pairs_ptr + slot, pairs, mask=(pairs < num_pairs) & known)
         seen += tl.sum(onehot, axis=0)
-
-
-@triton.jit
-def block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
-    """(pair index of each row, row mask, expert) of aligned row block ``pid_m``."""
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return pairs, pairs < num_pairs, tl.load(block_experts_ptr + pid_m).to(tl.int64)
-
-
-@triton.jit
-def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped ordering: GROUP_M row blocks share each weight tile while it is hot in L2."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:

@@ -1,10 +1,11 @@
 """Decode kernels: the fused MoE for a few (token, expert) pairs on CUDA cores, no tensor cores.
 
+Dimension letters: runtime/kernels/common.py.
+
 At decode every pair is its own GEMV and the whole job is streaming int4 weights at HBM speed, so the
-cost that matters is instructions per weight (Nsight Compute on an H200: the first version of these kernels
-issued on 62% of all cycles with one warp per scheduler, at 1.2 TB/s), and any shared-memory round trip
-or barrier in the loop is pure loss. These kernels keep each int32 word of the layout (8 K values, SPEC.md
-section 3) in the registers it was loaded into and never reshape it:
+cost that matters is instructions per weight (the profile that showed it: benchmarks/KERNEL_NOTES.md item 11),
+and any shared-memory round trip or barrier in the loop is pure loss. These kernels keep each int32 word of the
+layout (8 K values, SPEC.md section 3) in the registers it was loaded into and never reshape it:
 
 - field ``s < 5`` of word ``w`` is masked in place and OR-ed into the mantissa of ``2^23`` (fp32 bits
   ``0x4B000000``): the bitcast is exactly ``2^23 + q * 16^s``. Mask and exponent come in as kernel
@@ -27,6 +28,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from repack.runtime.kernel_config import KernelConfig
+from repack.runtime.kernels.common import TL_DTYPES, expert_of, quant_params, word_mask, zeros_or_scales
+from repack.runtime.weights import MoeWeights
 
 FP32_TWO_POW_23 = 0x4B000000  # fp32 bits of 2^23: OR-ed with a field below bit 23, the float is 2^23 + field
 
@@ -87,33 +92,6 @@ def _block_dot(acc, scale, words, zero, x0, x1, x2, x3, x4, x5, x6, x7, field_ma
 
 
 @triton.jit
-def _word_mask(n_mask, offs_w, first_word, k_words, EVEN_K: tl.constexpr):
-    """Rows in range, and (only when K is not a multiple of BLOCK_K) words in range: a mask that varies
-    along the words would split the 16-byte loads into single words."""
-    if EVEN_K:
-        return tl.broadcast_to(n_mask[:, None], (n_mask.shape[0], offs_w.shape[0]))
-    return n_mask[:, None] & (first_word + offs_w < k_words)[None, :]
-
-
-@triton.jit
-def _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS: tl.constexpr,
-                  SYM_ZERO: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """(scale as stored, zero int32) rows of one group; shared with the tensor-core kernels of fused_moe.py."""
-    scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
-    if HAS_ZEROS:
-        zero = tl.load(zero_ptrs + group * stride_s_g, mask=n_mask, other=0).to(tl.int32)
-    else:
-        zero = tl.full((BLOCK_N,), SYM_ZERO, tl.int32)
-    return scale, zero
-
-
-@triton.jit
-def _expert_of(topk_ids_ptr, pair, num_experts):
-    """The pair's expert, clamped into the stack: a bad id (NaN router logits) must not read past the weights."""
-    return tl.minimum(tl.maximum(tl.load(topk_ids_ptr + pair), 0), num_experts - 1).to(tl.int64)
-
-
-@triton.jit
 def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, N, n_mask,
                offs_w, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
@@ -123,12 +101,12 @@ def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, g
     instead: always in bounds, and no scalar term in the mask to break the 16-byte loads."""
     VALS: tl.constexpr = 32 // BITS
     k0 = tl.minimum(k0, k_last)
-    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
+    mask = word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
     gate = tl.load(gate_ptrs + k0 // VALS, mask=mask, other=0)
     up = tl.load(up_ptrs + k0 // VALS, mask=mask, other=0)
     group = k0 // group_len
-    scale_g, zero_g = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
-    scale_u, zero_u = _quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+    scale_g, zero_g = quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
+    scale_u, zero_u = quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
                                     BLOCK_N)  # fmt: skip
     return gate, up, scale_g, zero_g, scale_u, zero_u
 
@@ -140,10 +118,10 @@ def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, str
     """Words, scales and zeros of the K block at ``k0`` (past the range: block ``k_last``, as in _w13_block)."""
     VALS: tl.constexpr = 32 // BITS
     k0 = tl.minimum(k0, k_last)
-    mask = _word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
+    mask = word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
     words = tl.load(w_ptrs + k0 // VALS, mask=mask, other=0)
     group = k0 // group_len
-    scale, zero = _quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
+    scale, zero = quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
     return words, scale, zero
 
 
@@ -189,8 +167,13 @@ def _field_major_slot(n, BITS: tl.constexpr, MMA_ORDER: tl.constexpr, BLOCK_K: t
 
 @triton.jit
 def _prepare_kernel(
+    # pointers
     x_ptr, perm_ptr, topk_ids_ptr, xp_ptr, scratch_ptr,
-    num_experts, K, k_pad, stride_x, scratch_len, zero_span,
+    # sizes
+    num_experts, K, k_pad, scratch_len, zero_span,
+    # strides
+    stride_x,
+    # the stack and the tile
     TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -202,7 +185,7 @@ def _prepare_kernel(
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_w = tl.arange(0, WORDS)
     if HAS_PERM:
-        perm_base = _expert_of(topk_ids_ptr, row, num_experts) * K
+        perm_base = expert_of(topk_ids_ptr, row, num_experts) * K
         token = (row // TOP_K).to(tl.int64)
     else:
         perm_base = 0
@@ -254,12 +237,17 @@ def _total(row_ptrs, mask):
 
 @triton.jit
 def _w13_decode_kernel(
+    # pointers
     xp_ptr, qw_ptr, scales_ptr, zeros_ptr, inter_ptr, topk_ids_ptr, sums_ptr, arrivals_ptr,
+    # sizes (and the field mask and exponent bits, in registers: see _term)
     num_experts, N, K, k_pad, i_pad, group_len, blocks_per_split, field_mask, magic,
+    # strides
     stride_qw_e, stride_qw_n, stride_s_e, stride_s_g,
+    # the stack and the activations
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    # kernel switches and tile
+    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels,
     written as w2's prepared input (field-major, pre-scaled fp32 of the value rounded to the activation dtype).
@@ -270,7 +258,7 @@ def _w13_decode_kernel(
     in flight, when the pairs alone do not fill the GPU."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = _expert_of(topk_ids_ptr, pair, num_experts)
+    expert = expert_of(topk_ids_ptr, pair, num_experts)
     if HAS_PERM:  # one prepared row per pair (its expert's permutation), else per token
         xp_row = pair.to(tl.int64) * k_pad
     else:
@@ -330,12 +318,17 @@ def _w13_decode_kernel(
 
 @triton.jit
 def _w2_decode_kernel(
+    # pointers
     inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, topk_ids_ptr, sums_ptr, arrivals_ptr,
+    # sizes (and the field mask and exponent bits, in registers: see _term)
     num_experts, N, K, i_pad, group_len, blocks_per_split, field_mask, magic,
+    # strides
     stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    # the stack and the activations
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr, REDUCE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
+    # kernel switches and tile
+    REDUCE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[token, n] = sum over the token's pairs of w[pair] * (W2[e] @ inter[pair])[n], BLOCK_N channels of one
     pair (and one K slice) per program.
@@ -344,7 +337,7 @@ def _w2_decode_kernel(
     the token's TOP_K * slices programs writes the row out in the activation dtype: no torch sum, no cast."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = _expert_of(topk_ids_ptr, pair, num_experts)
+    expert = expert_of(topk_ids_ptr, pair, num_experts)
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -425,50 +418,122 @@ class DecodeScratch:
             self.views[name] = self.views[name].view(torch.float32)
 
 
-def run_decode(x, weights, ids, route_w, out, zeros13, zeros2, cfg: dict, common: dict) -> None:
+def run(
+    x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
+    weights: MoeWeights,
+    topk_ids: torch.Tensor,  # [M, T] int32/int64
+    topk_weights: torch.Tensor,  # [M, T] fp32
+    out: torch.Tensor,  # [M, H] activation dtype: the result, written by w2
+    config: KernelConfig,
+) -> None:
     """The decode path: prepare (activations + zeroed scratch) -> w13 -> w2 straight into ``out``: three launches.
 
-    ``cfg``: BLOCK_N, BLOCK_K (128 on mma128 stacks: one word-order block per step), num_warps, num_stages,
-    PREFETCH (K blocks loaded ahead, 1 or 2) and SPLIT_K (slices of K per (pair, tile): more programs when the
-    pairs are few)."""
+    From ``config``: block_n, block_k (128 on mma128 stacks: one word-order block per step), num_warps,
+    num_stages, prefetch (K blocks loaded ahead, 1 or 2) and split_k (slices of K per (pair, tile): more
+    programs when the pairs are few). The top-k sum is always w2's own (fp32 adds, the last program writes)."""
     m, h = x.shape
-    n_inter, num_pairs, top_k = weights.intermediate_size, ids.numel(), ids.shape[1]
-    launch = {k: cfg[k] for k in ("num_warps", "num_stages")}
-    block_n = cfg["BLOCK_N"]
-    block_k = 128 if weights.mma_order else cfg["BLOCK_K"]
-    prefetch = int(cfg.get("PREFETCH", 1))
-    split_k = int(cfg.get("SPLIT_K", 1))
+    n_inter, num_pairs, top_k = weights.intermediate_size, topk_ids.numel(), topk_ids.shape[1]
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    block_n = config.block_n
+    block_k = 128 if weights.mma_order else config.block_k
     has_perm = weights.w13_perm is not None
-    per_slice13, slices13 = k_slices(h, block_k, split_k)
-    per_slice2, slices2 = k_slices(n_inter, block_k, split_k)
+    per_slice13, slices13 = k_slices(h, block_k, config.split_k)
+    per_slice2, slices2 = k_slices(n_inter, block_k, config.split_k)
     tiles13, tiles2 = triton.cdiv(n_inter, block_n), triton.cdiv(h, block_n)
     reduce2 = top_k * slices2 > 1
     scratch = DecodeScratch(m, num_pairs, h, n_inter, block_k, tiles13, tiles2, slices13 > 1, reduce2, x.device)
     k_pad = triton.cdiv(h, block_k) * block_k
-    rows = num_pairs if has_perm else m
-    xp = torch.empty(rows, k_pad, dtype=torch.float32, device=x.device)
+    rows = num_pairs if has_perm else m  # prepared rows: one per pair under act-order (its expert's permutation)
+    xp = torch.empty(rows, k_pad, dtype=torch.float32, device=x.device)  # [rows, K blocks * field * word]
     blocks = k_pad // block_k
     zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
-    perm = weights.w13_perm if has_perm else ids
-    flags = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
+    order = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
     _prepare_kernel[(rows, blocks)](
-        x, perm, ids, xp, scratch.buffer, weights.num_experts, h, k_pad, x.stride(0), scratch.zeroed_len, zero_span,
-        TOP_K=top_k, BITS=weights.bits, HAS_PERM=has_perm, ZERO_BLOCK=256, num_warps=1, **flags,
-    )  # fmt: skip
-    fields = ((1 << weights.bits) - 1, FP32_TWO_POW_23)  # field mask and exponent bits, passed in registers
+        x_ptr=x,
+        perm_ptr=weights.w13_perm if has_perm else topk_ids,
+        topk_ids_ptr=topk_ids,
+        xp_ptr=xp,
+        scratch_ptr=scratch.buffer,
+        num_experts=weights.num_experts,
+        K=h,
+        k_pad=k_pad,
+        scratch_len=scratch.zeroed_len,
+        zero_span=zero_span,
+        stride_x=x.stride(0),
+        TOP_K=top_k,
+        BITS=weights.bits,
+        HAS_PERM=has_perm,
+        ZERO_BLOCK=256,
+        num_warps=1,
+        **order,
+    )
+    stack = dict(
+        TOP_K=top_k,
+        BITS=weights.bits,
+        SYM_ZERO=1 << (weights.bits - 1),
+        HAS_ZEROS=weights.w13_zeros is not None,
+        ACT_DTYPE=TL_DTYPES[x.dtype],
+    )
+    fields = dict(field_mask=(1 << weights.bits) - 1, magic=FP32_TWO_POW_23)  # passed in registers: see _term
     views = scratch.views
     w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
     _w13_decode_kernel[(num_pairs, tiles13, slices13)](
-        xp, w13, s13, zeros13, views["inter"], ids, views["gate_up_sums"], views["gate_up_arrivals"],
-        weights.num_experts, n_inter, h, k_pad, scratch.i_pad, weights.group_len(h), per_slice13,
-        *fields, w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        HAS_PERM=has_perm, EVEN_K=h % block_k == 0, SPLIT_K=slices13 > 1, BLOCK_N=block_n, PREFETCH=prefetch,
-        **common, **flags, **launch,
-    )  # fmt: skip
+        xp_ptr=xp,
+        qw_ptr=w13,
+        scales_ptr=s13,
+        zeros_ptr=zeros_or_scales(weights.w13_zeros, s13),
+        inter_ptr=views["inter"],
+        topk_ids_ptr=topk_ids,
+        sums_ptr=views["gate_up_sums"],
+        arrivals_ptr=views["gate_up_arrivals"],
+        num_experts=weights.num_experts,
+        N=n_inter,
+        K=h,
+        k_pad=k_pad,
+        i_pad=scratch.i_pad,
+        group_len=weights.group_len(h),
+        blocks_per_split=per_slice13,
+        **fields,
+        stride_qw_e=w13.stride(0),
+        stride_qw_n=w13.stride(1),
+        stride_s_e=s13.stride(0),
+        stride_s_g=s13.stride(1),
+        **stack,
+        HAS_PERM=has_perm,
+        EVEN_K=h % block_k == 0,
+        SPLIT_K=slices13 > 1,
+        PREFETCH=config.prefetch,
+        BLOCK_N=block_n,
+        **order,
+        **launch,
+    )
     _w2_decode_kernel[(num_pairs, tiles2, slices2)](
-        views["inter"], w2, s2, zeros2, route_w, out, ids, views["out_sums"], views["out_arrivals"],
-        weights.num_experts, h, n_inter, scratch.i_pad, weights.group_len(n_inter), per_slice2,
-        *fields, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-        EVEN_K=n_inter % block_k == 0, REDUCE=reduce2, BLOCK_N=block_n, PREFETCH=prefetch,
-        **common, **flags, **launch,
-    )  # fmt: skip
+        inter_ptr=views["inter"],
+        qw_ptr=w2,
+        scales_ptr=s2,
+        zeros_ptr=zeros_or_scales(weights.w2_zeros, s2),
+        topk_weights_ptr=topk_weights,
+        out_ptr=out,
+        topk_ids_ptr=topk_ids,
+        sums_ptr=views["out_sums"],
+        arrivals_ptr=views["out_arrivals"],
+        num_experts=weights.num_experts,
+        N=h,
+        K=n_inter,
+        i_pad=scratch.i_pad,
+        group_len=weights.group_len(n_inter),
+        blocks_per_split=per_slice2,
+        **fields,
+        stride_qw_e=w2.stride(0),
+        stride_qw_n=w2.stride(1),
+        stride_s_e=s2.stride(0),
+        stride_s_g=s2.stride(1),
+        stride_out=out.stride(0),
+        **stack,
+        EVEN_K=n_inter % block_k == 0,
+        REDUCE=reduce2,
+        PREFETCH=config.prefetch,
+        BLOCK_N=block_n,
+        **order,
+        **launch,
+    )

@@ -25,7 +25,8 @@ Act-order stacks gather their activation columns through the permutation instead
 gather their few tokens' columns and need no copy.
 
 Needs 4-bit weights, K % 128 == 0 for both GEMMs, and groups of a multiple of 128 (one scale row per K
-step); fused_moe runs other stacks on its other kernels.
+step): :func:`supports`; fused_moe runs other stacks on the gptq-order kernels (runtime/kernels/gptq_order.py).
+Dimension letters: runtime/kernels/common.py.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ import triton
 import triton.language as tl
 
 from repack.formats.stacks import MMA128_BLOCK, MMA128_ORDER, choose_word_order
-from repack.runtime.kernels.align import block_rows, tile_ids
-from repack.runtime.kernels.decode import _expert_of
+from repack.runtime.kernel_config import KernelConfig
+from repack.runtime.kernels.align import Alignment
+from repack.runtime.kernels.common import TL_DTYPES, block_rows, expert_of, launch_tiles, tile_ids, zeros_or_scales
+from repack.runtime.weights import MoeWeights
 
 STEP_K = MMA128_BLOCK  # K values per step: 16 int32 words per row, eight 16-deep dots
 WORDS = STEP_K // 8
 
 
 def supports(bits: int, hidden_size: int, intermediate_size: int, group_size: int) -> bool:
-    """Whether these kernels can run a stack (else fused_moe uses its other tensor-core kernels): exactly the
+    """Whether these kernels can run a stack (else fused_moe uses the gptq-order kernels): exactly the
     stacks the converter writes in mma128 order, whose rule is this kernel's K step of 128 (SPEC.md section 3)."""
     return choose_word_order(bits, hidden_size, intermediate_size, group_size) == MMA128_ORDER
 
@@ -83,8 +86,8 @@ def _mask_or(words, MASK: tl.constexpr, MAGIC: tl.constexpr, INLINE_PTX: tl.cons
     Written as ``&`` then ``|``, ptxas emits two LOP3s (SASS has one immediate slot and it does not hoist the other
     into a register); with mask and magic as kernel arguments it is one, but Triton then stopped rematerialising the
     dequantization in the MMA operand layout and sent every dequantized weight through shared memory. PTX ``lop3``
-    with both immediates gives the one LOP3 and keeps the layout (SASS per K step of the w2 kernel: 496 -> 385 with
-    the rest of this change). The interpreter cannot run PTX: ``INLINE_PTX`` is False there."""
+    with both immediates gives the one LOP3 and keeps the layout (the SASS counts: benchmarks/KERNEL_NOTES.md
+    item 14). The interpreter cannot run PTX: ``INLINE_PTX`` is False there."""
     if INLINE_PTX:
         return tl.inline_asm_elementwise(
             f"lop3.b32 $0, $1, {MASK}, {MAGIC}, 0xEA;", "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1
@@ -151,7 +154,7 @@ def _block_pairs(pid_m, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, top
     if DIRECT:
         lane = tl.arange(0, BLOCK_M)
         pairs = tl.where(lane == 0, pid_m, num_pairs)
-        expert = _expert_of(topk_ids_ptr, pid_m, num_experts)
+        expert = expert_of(topk_ids_ptr, pid_m, num_experts)
         live = pid_m < num_pairs
     else:
         pairs, _mask, expert = block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
@@ -247,13 +250,19 @@ def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pa
 
 @triton.jit
 def _w13_weight_major_kernel(
+    # pointers
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
     sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr,
+    # sizes
     num_pairs, num_pid_m, num_experts, N, K,
+    # strides
     stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+    # the stack and the activations
     TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    # kernel switches
     SCALE_ACC: tl.constexpr, DIRECT: tl.constexpr, QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr,
+    # tile
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, p] = silu(gate . x) * (up . x) for the pairs of one block and BLOCK_N output positions ``p``.
@@ -291,15 +300,21 @@ def _w13_weight_major_kernel(
 
 @triton.jit
 def _w2_weight_major_kernel(
+    # pointers
     inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
     sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr,
+    # sizes
     num_pairs, num_pid_m, num_experts, N, K,
+    # strides
     stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    # the stack and the activations
     TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    MMA_ORDER: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, ATOMIC: tl.constexpr, SCALE_ACC: tl.constexpr, DIRECT: tl.constexpr,
-    QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    MMA_ORDER: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    # kernel switches
+    ATOMIC: tl.constexpr, SCALE_ACC: tl.constexpr, DIRECT: tl.constexpr, QUANT_AHEAD: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
+    # tile
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]; ``inter`` as the w13 kernel wrote it."""
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -326,3 +341,76 @@ def _w2_weight_major_kernel(
     else:
         out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_out + rows[:, None]
         tl.store(out_ptrs, acc.to(ACT_DTYPE), mask=mask)
+
+
+def run(
+    x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
+    weights: MoeWeights,
+    topk_ids: torch.Tensor,  # [M, T] int32/int64
+    topk_weights: torch.Tensor,  # [M, T] fp32
+    rows: Alignment | None,  # pairs sorted by expert into blocks of config.block_m; None with config.direct
+    inter: torch.Tensor,  # [P, I] activation dtype: w13's output, w2's input
+    target: torch.Tensor,  # [P, H] activation dtype, or [M, H] fp32 with config.reduce == "atomic"
+    config: KernelConfig,
+    *,
+    exact_bf16_scales: bool = False,
+) -> None:
+    """w13 then w2, the weights as the MMA's register operand. mma128 stacks read the activations as they are;
+    aligned blocks of gptq-order stacks read them in nibble-major order (one copy of x; w13 writes the
+    intermediate that way). ``config.direct`` gives each pair its own block (no alignment) and gathers its few
+    activations. ``exact_bf16_scales`` (fused_moe.BF16_SCALES_IN_WEIGHTS off) applies bf16 scales in fp32."""
+    h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
+    has_perm = weights.w13_perm is not None
+    direct = config.direct
+    if direct:
+        num_pid_m = num_pairs
+        # unused: DIRECT blocks read their pair's expert from topk_ids
+        blocks = dict(sorted_pairs_ptr=topk_ids, block_experts_ptr=topk_ids, num_blocks_ptr=topk_ids)
+    else:
+        num_pid_m = rows.max_blocks
+        blocks = dict(sorted_pairs_ptr=rows.sorted_pairs, block_experts_ptr=rows.block_experts,
+                      num_blocks_ptr=rows.num_blocks)  # fmt: skip
+    mma_order = weights.mma_order
+    nibble_major_x = not (has_perm or direct or mma_order)
+    x_in = nibble_major(x) if nibble_major_x else x  # [M, H], columns in nibble-major order when set
+    act_dtype = TL_DTYPES[x.dtype]
+    scale_acc = config.scale_acc
+    meta = config.meta(with_block_k=False)  # BLOCK_K is STEP_K
+    if act_dtype == tl.bfloat16 and not scale_acc and exact_bf16_scales:
+        # Exact bf16: the scale applied in fp32 (SCALE_ACC); its second accumulator would double the registers of a
+        # tile chosen for fp16 (spills), so the tile gives up half its rows instead.
+        scale_acc = True
+        meta["BLOCK_N"] = max(32, meta["BLOCK_N"] // 2)
+    stack = dict(
+        TOP_K=topk_ids.shape[1],
+        SYM_ZERO=1 << (weights.bits - 1),
+        HAS_ZEROS=weights.w13_zeros is not None,
+        MMA_ORDER=mma_order,
+        ACT_DTYPE=act_dtype,
+    )
+    switches = dict(
+        SCALE_ACC=scale_acc,
+        DIRECT=direct,
+        QUANT_AHEAD=config.quant_ahead,
+        # Inline PTX (one LOP3 per two weights) where the kernels are compiled for an NVIDIA GPU, not interpreted.
+        INLINE_PTX=x.is_cuda and torch.version.hip is None,
+    )
+    pairs = dict(**blocks, topk_ids_ptr=topk_ids, num_pairs=num_pairs, num_pid_m=num_pid_m,
+                 num_experts=weights.num_experts)  # fmt: skip
+    w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
+    launch_tiles(
+        _w13_weight_major_kernel, num_pid_m, n_inter, meta, x.device,
+        x_ptr=x_in, qw_ptr=w13, scales_ptr=s13, zeros_ptr=zeros_or_scales(weights.w13_zeros, s13),
+        perm_ptr=weights.w13_perm if has_perm else topk_ids, inter_ptr=inter, **pairs, N=n_inter, K=h,
+        stride_x=x_in.stride(0), stride_qw_e=w13.stride(0), stride_qw_n=w13.stride(1), stride_s_e=s13.stride(0),
+        stride_s_g=s13.stride(1), stride_inter=inter.stride(0),
+        **stack, GROUP_LEN=weights.group_len(h), HAS_PERM=has_perm, NIBBLE_MAJOR_X=nibble_major_x, **switches,
+    )  # fmt: skip
+    launch_tiles(
+        _w2_weight_major_kernel, num_pid_m, h, meta, x.device,
+        inter_ptr=inter, qw_ptr=w2, scales_ptr=s2, zeros_ptr=zeros_or_scales(weights.w2_zeros, s2),
+        topk_weights_ptr=topk_weights, out_ptr=target, **pairs, N=h, K=n_inter,
+        stride_inter=inter.stride(0), stride_qw_e=w2.stride(0), stride_qw_n=w2.stride(1), stride_s_e=s2.stride(0),
+        stride_s_g=s2.stride(1), stride_out=target.stride(0),
+        **stack, GROUP_LEN=weights.group_len(n_inter), ATOMIC=config.reduce == "atomic", **switches,
+    )  # fmt: skip

@@ -271,13 +271,13 @@ def test_nibble_major_order():
 def test_default_and_heuristic_configs(device):
     """No config: the device's choice (tuned table, heuristic, or the interpreter's on CPU); and the heuristic
     an untuned GPU takes at decode (the direct path), run explicitly."""
-    from repack.runtime.kernel_config import heuristic_config
+    from repack.runtime.kernel_config import Kernels, heuristic_config
 
     scheme = GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq")
     weights, sources = make_stack(8, 128, 128, scheme)
     assert run_case(weights, sources, scheme, 1, 2, list(range(8)), None, device, seed=5) <= 2e-3
     decode = heuristic_config(1, 2, 8)
-    assert decode["DIRECT"]
+    assert decode.kernels is Kernels.DECODE
     assert run_case(weights, sources, scheme, 1, 2, list(range(8)), decode, device, seed=8) <= 2e-3
 
 

@@ -278,15 +278,16 @@ def test_a_joined_stack_uses_the_routed_table_with_decode_decided_on_its_pairs(t
         return MoeWeights(empty(experts, 384, 16), empty(experts, 1, 384), empty(experts, 128, 24),
                           empty(experts, 1, 128), 4, 128, routed_experts=routed)  # fmt: skip
 
-    def config(weights: MoeWeights, tokens: int, top_k: int) -> dict:
+    def config(weights: MoeWeights, tokens: int, top_k: int) -> kernel_config.KernelConfig:
         return kernel_config.get_config(weights, tokens, top_k, torch.float16, torch.device("cpu"))
 
+    typed = {m: kernel_config.KernelConfig.from_dict(entry) for m, entry in table.items()}
     try:
         routed, joined = stack(6), stack(8, routed=6)
-        assert config(routed, 8, 2) == tiles  # routed: the table as tuned
-        assert config(joined, 4, 4) == table[4]  # 16 pairs: decode
-        assert config(joined, 8, 4) == table[4]  # 32 pairs: still decode, the nearest decode entry
-        assert config(joined, 12, 4) == tiles  # 48 pairs: tensor cores, the nearest such entry
+        assert config(routed, 8, 2) == typed[8]  # routed: the table as tuned
+        assert config(joined, 4, 4) == typed[4]  # 16 pairs: decode
+        assert config(joined, 8, 4) == typed[4]  # 32 pairs: still decode, the nearest decode entry
+        assert config(joined, 12, 4) == typed[8]  # 48 pairs: tensor cores, the nearest such entry
         assert config(stack(8), 4, 4) == kernel_config.INTERPRETER_CONFIG  # no table for E=8 itself
     finally:
         kernel_config.load_configs.cache_clear()

@@ -12,22 +12,25 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from repack.runtime.kernel_config import KernelConfig, Kernels
+
 SM90_SHARED_LIMIT = 232448  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
 
 
-def all_configs() -> list[dict]:
+def all_configs() -> list[KernelConfig]:
     """Every config shipped in runtime/configs/*.json plus every config the heuristic returns."""
     from repack.runtime.kernel_config import CONFIG_DIR, heuristic_configs
 
-    configs = {json.dumps(c, sort_keys=True): c for c in heuristic_configs()}
+    configs = dict.fromkeys(heuristic_configs())
     for path in sorted(CONFIG_DIR.glob("*.json")):
-        for cfg in json.loads(path.read_text()).values():
-            configs[json.dumps(cfg, sort_keys=True)] = cfg
-    return list(configs.values())
+        for entry in json.loads(path.read_text()).values():
+            configs[KernelConfig.from_dict(entry)] = None
+    return list(configs)
 
 
 def _signature(kernel, pointer_types: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -51,18 +54,18 @@ def _compile(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps:
     )
 
 
-def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) -> dict[str, int]:
+def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = True) -> dict[str, int]:
     """Compile the w13 and w2 kernels a config selects (decode or tensor-core); shared memory bytes each."""
     import triton.language as tl
 
-    from repack.runtime.fused_moe import _w2_kernel, _w13_kernel
     from repack.runtime.kernels.decode import _prepare_kernel, _w2_decode_kernel, _w13_decode_kernel
+    from repack.runtime.kernels.gptq_order import _w2_kernel, _w13_kernel
     from repack.runtime.kernels.weight_major import _w2_weight_major_kernel, _w13_weight_major_kernel
 
     asym = variant == "asym_actorder"
     ptr = "*bf16" if act == "bfloat16" else "*fp16"
-    nibble = bool(cfg.get("NIBBLE_DOTS", False))
-    word = "*i32" if nibble or cfg.get("DIRECT") or cfg.get("WEIGHT_MAJOR") else "*i16"
+    nibble = cfg.nibble_dots
+    word = "*i32" if nibble or cfg.kernels is not Kernels.GPTQ_ORDER else "*i16"
     types = dict(
         x_ptr=ptr,
         inter_ptr=ptr,
@@ -79,51 +82,59 @@ def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) ->
         sums_ptr="*fp32",
         arrivals_ptr="*i32",
     )
-    atomic = cfg.get("REDUCE") == "atomic"
+    atomic = cfg.reduce == "atomic"
     types2 = dict(types, out_ptr="*fp32" if atomic else ptr)
     common = dict(TOP_K=8, BITS=4, SYM_ZERO=8, HAS_ZEROS=asym, ACT_DTYPE=getattr(tl, act), EVEN_K=True)
-    tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
-    launch = (cfg["num_warps"], cfg["num_stages"])
-    if cfg.get("WEIGHT_MAJOR"):
-        direct = bool(cfg.get("DIRECT"))
+    tiles = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    launch = (cfg.num_warps, cfg.num_stages)
+    if cfg.kernels is Kernels.WEIGHT_MAJOR:
+        direct = cfg.direct
         wm = {k: v for k, v in common.items() if k not in ("BITS", "EVEN_K")}
-        wm.update(SCALE_ACC=cfg.get("SCALE_ACC", True), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  GROUP_M=cfg["GROUP_M"], DIRECT=direct, MMA_ORDER=mma_order, GROUP_LEN=128, INLINE_PTX=True,
-                  QUANT_AHEAD=cfg.get("QUANT_AHEAD", False))  # fmt: skip
+        wm.update(
+            SCALE_ACC=cfg.scale_acc,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            GROUP_M=cfg.group_m,
+            DIRECT=direct,
+            MMA_ORDER=mma_order,
+            GROUP_LEN=128,
+            INLINE_PTX=True,
+            QUANT_AHEAD=cfg.quant_ahead,
+        )
         flags13 = {**wm, "HAS_PERM": asym, "NIBBLE_MAJOR_X": not (asym or direct or mma_order)}
         w13 = _compile(_w13_weight_major_kernel, types, flags13, *launch)
         w2 = _compile(_w2_weight_major_kernel, types2, {**wm, "ATOMIC": atomic}, *launch)
         if act == "bfloat16" and not wm["SCALE_ACC"]:
             # fused_moe.BF16_SCALES_IN_WEIGHTS = False: exact fp32 scales, on a tile half as wide.
-            exact = dict(SCALE_ACC=True, BLOCK_N=max(32, cfg["BLOCK_N"] // 2))
+            exact = dict(SCALE_ACC=True, BLOCK_N=max(32, cfg.block_n // 2))
             _compile(_w13_weight_major_kernel, types, {**flags13, **exact}, *launch)
             _compile(_w2_weight_major_kernel, types2, {**wm, **exact, "ATOMIC": atomic}, *launch)
-    elif cfg.get("DIRECT"):
+    elif cfg.kernels is Kernels.DECODE:
         # The decode kernels read fp32 prepared activations and write w2's the same way (runtime/kernels/decode.py).
         prepared = dict(types, xp_ptr="*fp32", inter_ptr="*fp32", scratch_ptr="*i32")
-        decode = dict(common, PREFETCH=cfg.get("PREFETCH", 1), MMA_ORDER=mma_order, **tiles)
-        split = cfg.get("SPLIT_K", 1) > 1
+        decode = dict(common, PREFETCH=cfg.prefetch, MMA_ORDER=mma_order, **tiles)
+        split = cfg.split_k > 1
         w13 = _compile(_w13_decode_kernel, prepared, {**decode, "HAS_PERM": asym, "SPLIT_K": split}, *launch)
         w2 = _compile(_w2_decode_kernel, prepared, {**decode, "REDUCE": True}, *launch)
-        prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg["BLOCK_K"], ZERO_BLOCK=256)
+        prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg.block_k, ZERO_BLOCK=256)
         _compile(_prepare_kernel, prepared, prepare, 1, 1)
     else:
         mma = dict(
             common,
-            FAST=True,
+            EXPONENT_TRICK=True,
             NIBBLE_DOTS=nibble,
-            SCALE_ACC=cfg.get("SCALE_ACC", True),
-            BLOCK_M=cfg["BLOCK_M"],
-            GROUP_M=cfg["GROUP_M"],
+            SCALE_ACC=cfg.scale_acc,
+            BLOCK_M=cfg.block_m,
+            GROUP_M=cfg.group_m,
             **tiles,
         )
         w13 = _compile(_w13_kernel, types, {**mma, "HAS_PERM": asym}, *launch)
         w2 = _compile(_w2_kernel, types2, {**mma, "ATOMIC": atomic}, *launch)
     shared = {"w13": w13.metadata.shared, "w2": w2.metadata.shared}
-    if cfg.get("WEIGHT_MAJOR") and not mma_order:
+    if cfg.kernels is Kernels.WEIGHT_MAJOR and not mma_order:
         # A gptq-order stack the weight-major kernels cannot run (groups under 128, 8-bit) takes the same config
-        # through the other kernels (fused_moe's fallback): those must compile and fit as well.
-        fallback = compile_config({k: v for k, v in cfg.items() if k != "WEIGHT_MAJOR"}, act, variant, mma_order)
+        # through the gptq-order kernels (fused_moe.choose_kernels): those must compile and fit as well.
+        fallback = compile_config(replace(cfg, kernels=Kernels.GPTQ_ORDER, direct=False), act, variant, mma_order)
         shared.update({f"{name} fallback": size for name, size in fallback.items()})
     return shared
 
@@ -133,10 +144,10 @@ def compile_config(cfg: dict, act: str, variant: str, mma_order: bool = True) ->
 VARIANTS = (("float16", "sym", True), ("bfloat16", "asym_actorder", True), ("float16", "sym", False))
 
 
-def variants_of(cfg: dict) -> list[tuple[str, str, bool]]:
+def variants_of(cfg: KernelConfig) -> list[tuple[str, str, bool]]:
     """The variants a config's kernels differ in: the older tensor-core kernels read only gptq order, so the
     word order would compile the same code twice for them."""
-    reads_word_order = cfg.get("WEIGHT_MAJOR") or cfg.get("DIRECT")
+    reads_word_order = cfg.kernels is not Kernels.GPTQ_ORDER
     return [v for v in VARIANTS if reads_word_order or v[2]]
 
 
@@ -145,7 +156,7 @@ def _worker() -> None:
     for cfg in all_configs():
         for act, variant, mma_order in variants_of(cfg):
             shared = compile_config(cfg, act, variant, mma_order)
-            print(json.dumps({"config": cfg, "act": act, "variant": variant, "shared": shared}), flush=True)
+            print(json.dumps({"config": cfg.to_dict(), "act": act, "variant": variant, "shared": shared}), flush=True)
 
 
 def test_nvidia_backend_ships_ptxas():
