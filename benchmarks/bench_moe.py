@@ -9,8 +9,9 @@ as C always-on chunks in both of MoeBlock's shared modes, "joined" (one fused_mo
 and "separate" (a second fused_moe call), as MoeBlock.apply_experts runs them after routing; the bytes floor
 (touched int4 weights + scales + activations over the device copy bandwidth measured in this run), a cuBLAS
 fp16 baseline (per-expert torch matmuls on dequantized weights, graph-captured, routing precomputed), and the
-anchors of ../shared/docs/anchors.md. Each weight copy is one [E + C] allocation per tensor whose first E
-experts are the routed stack and last C the shared chunks, both views, as the loader yields a joined layer.
+reference timings of other kernels in ``REFERENCE_US``. Each weight copy is one [E + C] allocation per tensor
+whose first E experts are the routed stack and last C the shared chunks, both views, as the loader yields a
+joined layer.
 Both modes are checked against a float32 reference first. Every timing is a CUDA-graph replay over several
 weight copies (so L2, 60 MB on H200, never holds the weights), median of many replays. Needs only torch +
 triton and the repo on PYTHONPATH.
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from repack.formats.stacks import from_word_order
+from repack.runtime.kernel_config import KernelConfig
 from repack.runtime.moe_block import JOINED, SEPARATE, MoeBlock
 from repack.runtime.routers import SOFTMAX_TOPK, RouterSpec
 from repack.runtime.tune import random_stack, time_graph
@@ -42,8 +44,9 @@ M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 M_QUICK = (1, 4, 16, 64, 256, 1024, 4096)
 CHECK_M = (1, 16, 300)
 
-# ../shared/docs/anchors.md (H200, fp16, int4 g128 sym, routed experts only), microseconds.
-ANCHORS = {
+# Reference timings of vLLM's Marlin MoE and fp16 Triton fused MoE on an H200 (fp16, int4 g128 sym, routed experts
+# only), microseconds, given to this project with its brief; this benchmark does not re-run those kernels.
+REFERENCE_US = {
     "qwen2-57b": {
         "marlin": {1: 67.6, 4: 148.6, 16: 262.1, 64: 345.9, 256: 645.5, 1024: 2008.6, 4096: 6823.6},
         "fp16_triton": {1: 118.8, 4: 373.1, 16: 710.8, 64: 827.2, 256: 878.4, 1024: 1233.6, 4096: 4015.4},
@@ -134,7 +137,7 @@ def random_inputs(case: Case, dtype, m: int, device) -> tuple[torch.Tensor, torc
     return torch.randn(m, case.hidden, device=device).to(dtype), torch.randn(m, case.experts, device=device)
 
 
-def check_case(case: Case, dtype, stack, config: dict | None = None) -> float:
+def check_case(case: Case, dtype, stack, config: KernelConfig | dict | None = None) -> float:
     """Worst relative error of route+fused_moe vs a float32 reference over CHECK_M (random weights)."""
     from repack.runtime.fused_moe import fused_moe
     from repack.runtime.kernels.routing import route
@@ -257,7 +260,7 @@ def bench_m(case: Case, dtype, m: int, blocks: list[dict[str, MoeBlock]], fp16_w
     expert_bytes = 3 * case.hidden * case.inter / 2 + 3 * case.hidden * case.inter / 128 * 2
     floor_bytes = len(touched) * expert_bytes + 2 * m * case.hidden * 2 + m * case.experts * 4
     floor = floor_bytes / bandwidth * 1e6
-    anchors = {k: v.get(m) for k, v in ANCHORS[case.name].items()}
+    references = {k: v.get(m) for k, v in REFERENCE_US[case.name].items()}
     row = dict(
         case=case.name,
         dtype=str(dtype).removeprefix("torch."),
@@ -268,11 +271,11 @@ def bench_m(case: Case, dtype, m: int, blocks: list[dict[str, MoeBlock]], fp16_w
         floor_us=floor,
         cublas_fp16_us=t_cublas,
         ours_over_floor=t_routed / floor,
-        marlin_us=anchors["marlin"],
-        fp16_triton_us=anchors["fp16_triton"],
+        marlin_us=references["marlin"],
+        fp16_triton_us=references["fp16_triton"],
         touched=len(touched),
     )
-    marlin = f"{anchors['marlin']:.1f}" if anchors["marlin"] else "-"
+    marlin = f"{references['marlin']:.1f}" if references["marlin"] else "-"
     log(
         f"  {case.name:12s} {row['dtype']:8s} M={m:5d} ours {t_routed:9.1f} block joined {t_block[JOINED]:9.1f} "
         f"separate {t_block[SEPARATE]:9.1f} floor {floor:8.1f} ({t_routed / floor:4.2f}x) cublas {t_cublas:9.1f} "

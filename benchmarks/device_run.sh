@@ -14,7 +14,7 @@ fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 timeout 200 python3 benchmarks/sweep_moe.py --out "$OUT" --tag _new 2>&1 | grep -E "check|M=" | tee "$OUT/sweep.log"
-python3 benchmarks/make_configs.py "$OUT/configs" benchmarks/results/sweep_v5*.json benchmarks/results/sweep_v6*.json \
-  "$OUT/sweep_moe_new.json"
+# The shipped tables' sweeps (benchmarks/tables.json), then this run's.
+python3 benchmarks/make_configs.py "$OUT/configs" "$OUT/sweep_moe_new.json"
 REPACK_MOE_CONFIG_DIR="$OUT/configs" timeout 250 python3 benchmarks/bench_moe.py --quick --out "$OUT" 2>&1 | grep -E "^\| " 
 timeout 150 python3 benchmarks/bench_load.py --layers 10 --work /tmp/bench-load --out "$OUT" 2>&1 | tail -4

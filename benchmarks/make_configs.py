@@ -1,10 +1,12 @@
 """Turn sweep results (benchmarks/sweep_moe.py JSON files) into the runtime's tuned config tables.
 
-``python benchmarks/make_configs.py OUT_DIR SWEEP.json [SWEEP.json ...]``: for every (case, M) the fastest
-config over all files wins. Each file is one device run, in order: where a later file timed a code path (decode,
-weight-major, ...) at some (case, M), the earlier files' timings of that path there are dropped, since the code
-they timed may have changed since; a path a later run did not time keeps its earlier timings. Writes one
-``E=..,N=..,device_name=...json`` per case (runtime/kernel_config.py's format).
+``python -m benchmarks.make_configs OUT_DIR [NEW_SWEEP.json ...]``: the sweeps recorded in benchmarks/tables.json
+(the inputs of the shipped tables), then any new ones, in that order; for every (case, M) the fastest config over
+all files wins. Each file is one device run: where a later file timed a code path (decode, weight-major, ...) at
+some (case, M), the earlier files' timings of that path there are dropped, since the code they timed may have
+changed since; a path a later run did not time keeps its earlier timings. Writes one ``E=..,N=..,device_name=...json``
+per case (runtime/kernel_config.py's format). After a new sweep that changes a shipped table, add it to
+benchmarks/tables.json.
 """
 
 from __future__ import annotations
@@ -14,16 +16,25 @@ import sys
 from pathlib import Path
 
 from benchmarks.bench_moe import CASES
+from repack.runtime.kernel_config import KernelConfig, Kernels
 
-DEVICE = "NVIDIA_H200"
+TABLES = Path(__file__).parent / "tables.json"
+REPO = Path(__file__).parent.parent
+
+
+def recorded_sweeps() -> tuple[str, list[Path]]:
+    """(device name, the sweep files of the shipped tables in order) from benchmarks/tables.json."""
+    record = json.loads(TABLES.read_text())
+    return record["device"], [REPO / path for path in record["sweeps"]]
 
 
 def code_path(config: dict) -> str:
-    """Which kernels a config runs: the CUDA-core decode kernels, the weight-major ones (DIRECT or aligned), or the
-    older tensor-core ones."""
-    if config.get("WEIGHT_MAJOR"):
-        return "weight-major direct" if config.get("DIRECT") else "weight-major"
-    return "decode" if config.get("DIRECT") else "tensor-core"
+    """Which kernels a config runs: the CUDA-core decode kernels, the weight-major ones (one block per pair, or
+    aligned), or the gptq-order tensor-core ones (runtime/kernel_config.py's ``Kernels``)."""
+    parsed = KernelConfig.from_dict(config)
+    if parsed.kernels is Kernels.WEIGHT_MAJOR:
+        return "weight-major direct" if parsed.direct else "weight-major"
+    return "decode" if parsed.kernels is Kernels.DECODE else "tensor-core"
 
 
 def best_configs(paths: list[Path]) -> dict[str, dict[int, dict]]:
@@ -46,17 +57,26 @@ def best_configs(paths: list[Path]) -> dict[str, dict[int, dict]]:
     return tables
 
 
-def main(out_dir: str, *sweeps: str) -> None:
+def table_files(sweeps: list[Path], device: str) -> dict[str, str]:
+    """File name -> JSON text of every table the sweeps make."""
     from repack.runtime.kernel_config import config_file_name
 
+    shapes = {c.name: (c.experts, c.inter) for c in CASES}
+    files = {}
+    for case, table in best_configs(sweeps).items():
+        experts, inter = shapes[case]
+        entries = {str(m): table[m] for m in sorted(table)}
+        files[config_file_name(experts, inter, device)] = json.dumps(entries, indent=1)
+    return {name: text + "\n" for name, text in files.items()}
+
+
+def main(out_dir: str, *new_sweeps: str) -> None:
+    device, sweeps = recorded_sweeps()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = {c.name: (c.experts, c.inter) for c in CASES}
-    for case, table in best_configs([Path(s) for s in sweeps]).items():
-        experts, inter = shapes[case]
-        path = out / config_file_name(experts, inter, DEVICE)
-        path.write_text(json.dumps({str(m): table[m] for m in sorted(table)}, indent=1) + "\n")
-        print(f"wrote {path} ({len(table)} token counts)")
+    for name, text in table_files(sweeps + [Path(s) for s in new_sweeps], device).items():
+        (out / name).write_text(text)
+        print(f"wrote {out / name} ({len(json.loads(text))} token counts)")
 
 
 if __name__ == "__main__":
