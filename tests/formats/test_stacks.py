@@ -11,6 +11,7 @@ from repack.formats.gptq import GptqFormatError, GptqLinear, GptqScheme, dequant
 from repack.formats.stacks import StackInfo, dequantize_stack, pack_stack, plan_flags, unpack_stack
 from repack.synthetic_linear import quantize_linear
 from tests.support.fixtures import FIXTURES
+from tests.support.stacks import expert_names, routed_stack_info
 
 SCHEMES = [
     GptqScheme(4, 128, True, "gptq"),
@@ -44,24 +45,10 @@ def _columns(linear: GptqLinear, scheme: GptqScheme, cols: slice) -> GptqLinear:
 def _stack(scheme, act_order, *, experts=3, hidden=256, inter=128, chunks=1, seed=0):
     gen = torch.Generator().manual_seed(seed)
     sources = [_expert(hidden, inter * chunks, scheme, act_order, gen) for _ in range(experts // chunks)]
-    names = [(f"e{j}.gate_proj", f"e{j}.up_proj", f"e{j}.down_proj") for j in range(len(sources))]
-    act13, act2, has_g_idx = plan_flags(names, sources, scheme)
-    info = StackInfo(
-        "layers.0.mlp.experts",
-        "routed",
-        experts,
-        hidden,
-        inter,
-        scheme.bits,
-        scheme.group_size,
-        scheme.sym,
-        scheme.checkpoint_format,
-        act13,
-        act2,
-        has_g_idx,
-        [list(n) for n in names],
+    info = routed_stack_info(
+        sources, scheme, experts=experts, hidden=hidden, inter=inter, prefix="layers.0.mlp.experts"
     )
-    return info, names, sources
+    return info, expert_names(len(sources)), sources
 
 
 @pytest.mark.parametrize("act_order", [False, True])

@@ -13,23 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.checkpoints import convert_fixture, relative_error
 from tests.support.fixtures import FIXTURES
 
 RELATIVE_TOLERANCE = 5e-3
-
-
-def convert_fixture(source: Path, out: Path, shard_size: int | str = "5GB") -> Path:
-    """Convert with the project's converter (its Python API), quietly; returns OUT."""
-    from repack.convert import convert
-
-    convert(str(source), out, shard_size=shard_size, quiet=True)
-    return out
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|, in float32."""
-    expected = expected.float()
-    return float((actual.float() - expected).abs().max() / expected.abs().max())
 
 
 @pytest.fixture(scope="module", params=FIXTURES, ids=lambda p: p.name)

@@ -10,56 +10,10 @@ import pytest
 import torch
 
 from repack.formats.errors import RepackError
-from repack.formats.gptq import GptqLinear, GptqScheme, dequantize
-from repack.formats.stacks import ROUTED, StackInfo, pack_stack, plan_flags
+from repack.formats.gptq import GptqScheme, dequantize
 from repack.runtime.fused_moe import fused_moe
 from repack.runtime.weights import MoeWeights
-from repack.synthetic_linear import quantize_linear
-
-Expert = tuple[GptqLinear, GptqLinear, GptqLinear]
-
-
-def make_expert(hidden: int, inter: int, scheme: GptqScheme, act_order: bool, seed: int) -> Expert:
-    """One GPTQ expert; gate and up share their act-order g_idx (same generator seed -> same random order)."""
-    gen = torch.Generator().manual_seed(seed)
-    w_gate, w_up = torch.randn(inter, hidden, generator=gen) * 0.05, torch.randn(inter, hidden, generator=gen) * 0.05
-    w_down = torch.randn(hidden, inter, generator=gen) * 0.05
-    gate = quantize_linear(w_gate, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 1))
-    up = quantize_linear(w_up, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 1))
-    down = quantize_linear(w_down, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 2))
-    return gate, up, down
-
-
-def make_stack(
-    experts: int,
-    hidden: int,
-    inter: int,
-    scheme: GptqScheme,
-    act_order: bool = False,
-    chunks: int = 1,
-    word_order: str = "gptq",
-):
-    """(MoeWeights in our layout, source experts). ``chunks`` > 1 packs ONE source expert as that many chunks."""
-    sources = [make_expert(hidden, inter * chunks, scheme, act_order, 100 * j) for j in range(experts // chunks)]
-    names = [(f"e{j}.gate_proj", f"e{j}.up_proj", f"e{j}.down_proj") for j in range(len(sources))]
-    act13, act2, has_g_idx = plan_flags(names, sources, scheme)
-    info = StackInfo(
-        prefix="mlp.experts",
-        kind=ROUTED,
-        num_experts=experts,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        bits=scheme.bits,
-        group_size=scheme.group_size,
-        sym=scheme.sym,
-        checkpoint_format=scheme.checkpoint_format,
-        act_order_w13=act13,
-        act_order_w2=act2,
-        has_g_idx=has_g_idx,
-        source_modules=[list(n) for n in names],
-        word_order=word_order,
-    )
-    return MoeWeights.from_tensors(info, pack_stack(info, sources)), sources
+from tests.support.stacks import Expert, make_stack
 
 
 def reference(x: torch.Tensor, sources: list[Expert], scheme, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,9 @@ from repack.runtime import load
 from repack.runtime.weights import MoeWeights, join_adjacent, stacked_view
 from repack.synthetic import write_synthetic_checkpoint
 from repack.verify import verify
-from tests.runtime.test_loader import ALLOWED_OPS, OpRecorder
 from tests.support.cli import run_cli
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.tensor_ops import ALLOWED_OPS, OpRecorder
 
 # Joinable by construction: C = 2 chunks of the routed I (sym, act-order), and C = 1 of the same I (asym, act-order).
 JOINABLE_SOURCES = {

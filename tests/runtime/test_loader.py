@@ -11,39 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqScheme
 from repack.formats.stacks import INDEX_FILE, joinable
 from repack.runtime import load
 from repack.synthetic import write_synthetic_checkpoint
-from tests.runtime.test_fixture_agreement import convert_fixture
+from tests.support.checkpoints import convert_fixture
 from tests.support.fixtures import FIXTURES_DIR
-
-# The only tensor operations a load may perform: allocate the byte buffers, fill them (copy_ on a GPU),
-# and take views of them. Anything else (cat, permute, to, contiguous...) would change or move data.
-ALLOWED_OPS = {
-    "empty.memory_format",
-    "slice.Tensor",
-    "view.dtype",
-    "view.default",
-    "copy_.default",
-    "alias.default",
-    "detach.default",
-}  # detach: the numpy() view that file.readinto fills
-
-
-class OpRecorder(TorchDispatchMode):
-    """Records the name of every aten op dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(f"{func._schema.name.split('::')[-1]}.{func._overloadname}")
-        return func(*args, **(kwargs or {}))
+from tests.support.tensor_ops import ALLOWED_OPS, OpRecorder
 
 
 @pytest.fixture(scope="module", params=["qwen2moe-g32-actorder", "synthetic-joined"])

@@ -28,7 +28,7 @@ from repack.runtime import MoeWeights, load
 from repack.runtime.moe_block import AUTO, JOINED, SEPARATE, SHARED_MODES, MoeBlock
 from repack.runtime.routers import router_spec
 from repack.synthetic import write_synthetic_checkpoint
-from tests.runtime.test_fixture_agreement import convert_fixture, relative_error
+from tests.support.checkpoints import convert_fixture, relative_error
 from tests.support.fixtures import FIXTURES_DIR
 
 HIDDEN, EXPERTS = 64, 16

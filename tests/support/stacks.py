@@ -1,0 +1,74 @@
+"""Expert stacks built from random GPTQ source experts: the packed MoeWeights next to the sources they came from."""
+
+from __future__ import annotations
+
+import torch
+
+from repack.formats.gptq import GptqLinear, GptqScheme
+from repack.formats.stacks import GPTQ_ORDER, ROUTED, StackInfo, pack_stack, plan_flags
+from repack.runtime.weights import MoeWeights
+from repack.synthetic_linear import quantize_linear
+
+Expert = tuple[GptqLinear, GptqLinear, GptqLinear]
+
+
+def expert_names(count: int) -> list[tuple[str, str, str]]:
+    return [(f"e{j}.gate_proj", f"e{j}.up_proj", f"e{j}.down_proj") for j in range(count)]
+
+
+def routed_stack_info(
+    sources: list[Expert],
+    scheme: GptqScheme,
+    *,
+    experts: int,
+    hidden: int,
+    inter: int,
+    prefix: str = "mlp.experts",
+    word_order: str = GPTQ_ORDER,
+) -> StackInfo:
+    """The StackInfo of a routed stack of ``experts`` (``len(sources)`` source experts, each split into
+    ``experts // len(sources)`` chunks of ``inter``), act-order decided from the sources as the converter does."""
+    names = expert_names(len(sources))
+    act13, act2, has_g_idx = plan_flags(names, sources, scheme)
+    return StackInfo(
+        prefix=prefix,
+        kind=ROUTED,
+        num_experts=experts,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        bits=scheme.bits,
+        group_size=scheme.group_size,
+        sym=scheme.sym,
+        checkpoint_format=scheme.checkpoint_format,
+        act_order_w13=act13,
+        act_order_w2=act2,
+        has_g_idx=has_g_idx,
+        source_modules=[list(n) for n in names],
+        word_order=word_order,
+    )
+
+
+def make_expert(hidden: int, inter: int, scheme: GptqScheme, act_order: bool, seed: int) -> Expert:
+    """One GPTQ expert; gate and up share their act-order g_idx (same generator seed -> same random order)."""
+    gen = torch.Generator().manual_seed(seed)
+    w_gate, w_up = torch.randn(inter, hidden, generator=gen) * 0.05, torch.randn(inter, hidden, generator=gen) * 0.05
+    w_down = torch.randn(hidden, inter, generator=gen) * 0.05
+    gate = quantize_linear(w_gate, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 1))
+    up = quantize_linear(w_up, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 1))
+    down = quantize_linear(w_down, scheme, act_order=act_order, generator=torch.Generator().manual_seed(seed + 2))
+    return gate, up, down
+
+
+def make_stack(
+    experts: int,
+    hidden: int,
+    inter: int,
+    scheme: GptqScheme,
+    act_order: bool = False,
+    chunks: int = 1,
+    word_order: str = GPTQ_ORDER,
+) -> tuple[MoeWeights, list[Expert]]:
+    """(MoeWeights in our layout, source experts). ``chunks`` > 1 packs ONE source expert as that many chunks."""
+    sources = [make_expert(hidden, inter * chunks, scheme, act_order, 100 * j) for j in range(experts // chunks)]
+    info = routed_stack_info(sources, scheme, experts=experts, hidden=hidden, inter=inter, word_order=word_order)
+    return MoeWeights.from_tensors(info, pack_stack(info, sources)), sources
