@@ -14,7 +14,7 @@ export one ``run``:
 The config (runtime/kernel_config.py) names the family; :func:`choose_kernels` turns that into the family that
 can run the stack. The tensor-core families write one row per (token, k) pair, summed here (or fp32 atomics
 into [M, H] with ``reduce="atomic"``). Nothing here synchronises with the host, so the whole call can be
-captured in a CUDA graph. Dimension letters: runtime/kernels/common.py.
+captured in a CUDA graph. Dimension letters: runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations

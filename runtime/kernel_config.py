@@ -93,8 +93,10 @@ class KernelConfig:
             kernels = Kernels.DECODE if direct else Kernels.GPTQ_ORDER
         values = {JSON_KEYS[k]: entry[k] for k in entry if k not in ("DIRECT", "WEIGHT_MAJOR")}
         types = {f.name: f.type for f in fields(cls)}
-        typed = {name: (bool(v) if types[name] == "bool" else int(v) if types[name] == "int" else v)
-                 for name, v in values.items()}  # fmt: skip
+        typed = {
+            name: (bool(v) if types[name] == "bool" else int(v) if types[name] == "int" else v)
+            for name, v in values.items()
+        }
         return cls(kernels=kernels, direct=direct, **typed)
 
     def to_dict(self) -> dict:
@@ -112,8 +114,14 @@ class KernelConfig:
 
     def meta(self, *, with_block_k: bool = True) -> dict:
         """The Triton launch meta-parameters of the tile (what :func:`fit_config` may shrink)."""
-        sizes = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
-                     num_warps=self.num_warps, num_stages=self.num_stages)  # fmt: skip
+        sizes = dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            BLOCK_K=self.block_k,
+            GROUP_M=self.group_m,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
         if not with_block_k:
             del sizes["BLOCK_K"]
         return sizes
@@ -124,7 +132,8 @@ class KernelConfig:
         if group_size != -1:
             while group_size % block_k:
                 block_k //= 2
-        return replace(self, block_k=max(block_k, 16))
+        block_k = max(block_k, 16)
+        return self if block_k == self.block_k else replace(self, block_k=block_k)
 
 
 JSON_KEYS = {  # table key -> KernelConfig field ("WEIGHT_MAJOR" and "DIRECT" together choose ``kernels``)
@@ -186,16 +195,33 @@ def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> KernelCon
     if direct_mode(num_pairs, num_experts):
         # Few pairs leave most of the GPU idle: slices of K give it programs (KERNEL_NOTES.md item 10).
         split = 4 if num_pairs <= 8 else 2 if num_pairs <= 16 else 1
-        return KernelConfig(Kernels.DECODE, block_m=16, block_n=32, block_k=128, group_m=1, num_warps=1,
-                            num_stages=1, direct=True, split_k=split)  # fmt: skip
+        return KernelConfig(
+            Kernels.DECODE,
+            block_m=16,
+            block_n=32,
+            block_k=128,
+            group_m=1,
+            num_warps=1,
+            num_stages=1,
+            direct=True,
+            split_k=split,
+        )
     if per_expert <= 8:
         block_m, block_n, group_m = 16, 128, 1
     elif per_expert <= 24:
         block_m, block_n, group_m = 32, 64, 4
     else:
         block_m, block_n, group_m = 64, 128, 8
-    return KernelConfig(Kernels.WEIGHT_MAJOR, block_m=block_m, block_n=block_n, block_k=128, group_m=group_m,
-                        num_warps=4, num_stages=3, scale_acc=False)  # fmt: skip
+    return KernelConfig(
+        Kernels.WEIGHT_MAJOR,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=128,
+        group_m=group_m,
+        num_warps=4,
+        num_stages=3,
+        scale_acc=False,
+    )
 
 
 HEURISTIC_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -232,8 +258,9 @@ def load_configs(num_experts: int, intermediate_size: int, name: str) -> dict[in
 # On the CPU the kernels run in Triton's interpreter, one program after another: the cost is the number of
 # programs, not bytes, so every M takes the sorted path with wide tiles (the decode path's one program per
 # token-expert pair and BLOCK_N tile is the slowest choice there). Tests pass explicit configs for the rest.
-INTERPRETER_CONFIG = KernelConfig(Kernels.WEIGHT_MAJOR, block_m=16, block_n=128, block_k=128, group_m=1, num_warps=4,
-                                  num_stages=1)  # fmt: skip
+INTERPRETER_CONFIG = KernelConfig(
+    Kernels.WEIGHT_MAJOR, block_m=16, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=1
+)
 
 
 def get_config(weights, num_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:

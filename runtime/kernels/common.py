@@ -1,9 +1,5 @@
 """Jit and host helpers the kernel families share (public inside runtime/kernels/; each family's own helpers
-stay private to its module).
-
-Dimension letters, here and in every family: M tokens, T top-k, P = M*T (token, expert) pairs, E experts,
-H hidden size, I intermediate size, N and K a GEMM's output channels and inputs, G quantization groups,
-pack = 32 // bits inputs per int32 word.
+stay private to its module). Dimension letters: runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations
@@ -34,10 +30,15 @@ def word_mask(n_mask, offs_w, first_word, k_words, EVEN_K: tl.constexpr):
 
 @triton.jit
 def quant_params(
-    scale_ptrs, zero_ptrs,  # [BLOCK_N] row pointers of group 0
-    group, stride_s_g, n_mask,
-    HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    scale_ptrs,
+    zero_ptrs,  # [BLOCK_N] row pointers of group 0
+    group,
+    stride_s_g,
+    n_mask,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """(scale as stored [BLOCK_N], zero int32 [BLOCK_N]) of one group: the stored zero, or 2^(bits-1) when
     the stack is symmetric and stores none."""
     scale = tl.load(scale_ptrs + group * stride_s_g, mask=n_mask, other=0.0)
@@ -77,6 +78,17 @@ def launch_tiles(kernel, row_blocks: int, n: int, meta: dict, device: torch.devi
     fit_config(meta, device, launch, kernel.fn.__name__)
 
 
-def zeros_or_scales(zeros: torch.Tensor | None, scales: torch.Tensor) -> torch.Tensor:
-    """A pointer for the kernels' ``zeros_ptr``: the zeros, or (symmetric stacks, HAS_ZEROS off) any tensor."""
-    return zeros if zeros is not None else scales
+def projection_args(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> dict:
+    """One projection's stored tensors as the kernels take them: ``qw_ptr``, ``scales_ptr``, ``zeros_ptr`` (any
+    tensor for a symmetric stack, whose HAS_ZEROS is off) and their expert and row strides.
+
+    ``qweight`` [E, N, K/VALS] (int32, or a narrower view of it), ``scales`` and ``zeros`` [E, G, N]."""
+    return dict(
+        qw_ptr=qweight,
+        scales_ptr=scales,
+        zeros_ptr=zeros if zeros is not None else scales,
+        stride_qw_e=qweight.stride(0),
+        stride_qw_n=qweight.stride(1),
+        stride_s_e=scales.stride(0),
+        stride_s_g=scales.stride(1),
+    )

@@ -1,6 +1,6 @@
 """Decode kernels: the fused MoE for a few (token, expert) pairs on CUDA cores, no tensor cores.
 
-Dimension letters: runtime/kernels/common.py.
+Dimension letters: runtime/kernels/__init__.py.
 
 At decode every pair is its own GEMV and the whole job is streaming int4 weights at HBM speed, so the
 cost that matters is instructions per weight (the profile that showed it: benchmarks/KERNEL_NOTES.md item 11),
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from repack.runtime.kernel_config import KernelConfig
-from repack.runtime.kernels.common import TL_DTYPES, expert_of, quant_params, word_mask, zeros_or_scales
+from repack.runtime.kernels.common import TL_DTYPES, expert_of, projection_args, quant_params, word_mask
 from repack.runtime.weights import MoeWeights
 
 FP32_TWO_POW_23 = 0x4B000000  # fp32 bits of 2^23: OR-ed with a field below bit 23, the float is 2^23 + field
@@ -92,9 +92,26 @@ def _block_dot(acc, scale, words, zero, x0, x1, x2, x3, x4, x5, x6, x7, field_ma
 
 
 @triton.jit
-def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, N, n_mask,
-               offs_w, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _w13_block(
+    gate_ptrs,
+    up_ptrs,
+    scale_ptrs,
+    zero_ptrs,
+    k0,
+    k_last,
+    k_words,
+    group_len,
+    stride_s_g,
+    N,
+    n_mask,
+    offs_w,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Gate and up words, scales and zeros of the K block at ``k0``.
 
     A block past the program's K range (a prefetch the loop never uses) reads its last block ``k_last`` again
@@ -106,15 +123,31 @@ def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, g
     up = tl.load(up_ptrs + k0 // VALS, mask=mask, other=0)
     group = k0 // group_len
     scale_g, zero_g = quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
-    scale_u, zero_u = quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
-                                    BLOCK_N)  # fmt: skip
+    scale_u, zero_u = quant_params(
+        scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N
+    )
     return gate, up, scale_g, zero_g, scale_u, zero_u
 
 
 @triton.jit
-def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, n_mask, offs_w,
-              BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _w2_block(
+    w_ptrs,
+    scale_ptrs,
+    zero_ptrs,
+    k0,
+    k_last,
+    k_words,
+    group_len,
+    stride_s_g,
+    n_mask,
+    offs_w,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SYM_ZERO: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Words, scales and zeros of the K block at ``k0`` (past the range: block ``k_last``, as in _w13_block)."""
     VALS: tl.constexpr = 32 // BITS
     k0 = tl.minimum(k0, k_last)
@@ -169,10 +202,8 @@ def _field_major_slot(n, BITS: tl.constexpr, MMA_ORDER: tl.constexpr, BLOCK_K: t
 def _prepare_kernel(
     # pointers
     x_ptr, perm_ptr, topk_ids_ptr, xp_ptr, scratch_ptr,
-    # sizes
-    num_experts, K, k_pad, scratch_len, zero_span,
-    # strides
-    stride_x,
+    # sizes and the activations' row stride
+    num_experts, K, k_pad, stride_x, scratch_len, zero_span,
     # the stack and the tile
     TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
@@ -277,19 +308,70 @@ def _w13_decode_kernel(
     acc_gate = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     # The first block (and the second when PREFETCH == 2) before the loop; the loop loads k0 + PREFETCH*BLOCK_K.
-    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last,
-                                                      k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
-                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K,
-                                                      k_last, k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
-                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(
+        gate_ptrs,
+        up_ptrs,
+        scale_ptrs,
+        zero_ptrs,
+        k_begin,
+        k_last,
+        k_words,
+        group_len,
+        stride_s_g,
+        N,
+        n_mask,
+        offs_w,
+        BITS,
+        HAS_ZEROS,
+        SYM_ZERO,
+        EVEN_K,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(
+        gate_ptrs,
+        up_ptrs,
+        scale_ptrs,
+        zero_ptrs,
+        k_begin + BLOCK_K,
+        k_last,
+        k_words,
+        group_len,
+        stride_s_g,
+        N,
+        n_mask,
+        offs_w,
+        BITS,
+        HAS_ZEROS,
+        SYM_ZERO,
+        EVEN_K,
+        BLOCK_N,
+        BLOCK_K,
+    )
     x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(xp_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ahead = k0 + PREFETCH * BLOCK_K
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, k_last,
-                                                          k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
-                                                          HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(
+            gate_ptrs,
+            up_ptrs,
+            scale_ptrs,
+            zero_ptrs,
+            ahead,
+            k_last,
+            k_words,
+            group_len,
+            stride_s_g,
+            N,
+            n_mask,
+            offs_w,
+            BITS,
+            HAS_ZEROS,
+            SYM_ZERO,
+            EVEN_K,
+            BLOCK_N,
+            BLOCK_K,
+        )
         n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(xp_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
         acc_gate = _block_dot(acc_gate, sg_0, gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         acc_up = _block_dot(acc_up, su_0, up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
@@ -350,16 +432,63 @@ def _w2_decode_kernel(
     k_words = K // VALS
     k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, group_len, stride_s_g, n_mask,
-                              offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, group_len, stride_s_g,
-                              n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    w_0, s_0, z_0 = _w2_block(
+        w_ptrs,
+        scale_ptrs,
+        zero_ptrs,
+        k_begin,
+        k_last,
+        k_words,
+        group_len,
+        stride_s_g,
+        n_mask,
+        offs_w,
+        BITS,
+        HAS_ZEROS,
+        SYM_ZERO,
+        EVEN_K,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    w_1, s_1, z_1 = _w2_block(
+        w_ptrs,
+        scale_ptrs,
+        zero_ptrs,
+        k_begin + BLOCK_K,
+        k_last,
+        k_words,
+        group_len,
+        stride_s_g,
+        n_mask,
+        offs_w,
+        BITS,
+        HAS_ZEROS,
+        SYM_ZERO,
+        EVEN_K,
+        BLOCK_N,
+        BLOCK_K,
+    )
     x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(inter_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, k_last, k_words, group_len,
-                                  stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
-                                  BLOCK_K)  # fmt: skip
+        w_n, s_n, z_n = _w2_block(
+            w_ptrs,
+            scale_ptrs,
+            zero_ptrs,
+            k0 + PREFETCH * BLOCK_K,
+            k_last,
+            k_words,
+            group_len,
+            stride_s_g,
+            n_mask,
+            offs_w,
+            BITS,
+            HAS_ZEROS,
+            SYM_ZERO,
+            EVEN_K,
+            BLOCK_N,
+            BLOCK_K,
+        )
         n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(inter_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
         acc = _block_dot(acc, s_0, w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         if PREFETCH == 2:
@@ -395,8 +524,19 @@ class DecodeScratch:
     ``inter`` (w2's prepared input) is inside the zeroed region only when I is not a multiple of BLOCK_K: its
     padding must read as 0, everything else in it is written by w13."""
 
-    def __init__(self, m: int, pairs: int, h: int, i: int, block_k: int, tiles13: int, tiles2: int, split13: bool,
-                 reduce2: bool, device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        m: int,
+        pairs: int,
+        h: int,
+        i: int,
+        block_k: int,
+        tiles13: int,
+        tiles2: int,
+        split13: bool,
+        reduce2: bool,
+        device,
+    ) -> None:
         i_pad = triton.cdiv(i, block_k) * block_k
         sizes = {
             "out_sums": m * h if reduce2 else 1,
@@ -479,9 +619,7 @@ def run(
     w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
     _w13_decode_kernel[(num_pairs, tiles13, slices13)](
         xp_ptr=xp,
-        qw_ptr=w13,
-        scales_ptr=s13,
-        zeros_ptr=zeros_or_scales(weights.w13_zeros, s13),
+        **projection_args(w13, s13, weights.w13_zeros),
         inter_ptr=views["inter"],
         topk_ids_ptr=topk_ids,
         sums_ptr=views["gate_up_sums"],
@@ -494,10 +632,6 @@ def run(
         group_len=weights.group_len(h),
         blocks_per_split=per_slice13,
         **fields,
-        stride_qw_e=w13.stride(0),
-        stride_qw_n=w13.stride(1),
-        stride_s_e=s13.stride(0),
-        stride_s_g=s13.stride(1),
         **stack,
         HAS_PERM=has_perm,
         EVEN_K=h % block_k == 0,
@@ -509,9 +643,7 @@ def run(
     )
     _w2_decode_kernel[(num_pairs, tiles2, slices2)](
         inter_ptr=views["inter"],
-        qw_ptr=w2,
-        scales_ptr=s2,
-        zeros_ptr=zeros_or_scales(weights.w2_zeros, s2),
+        **projection_args(w2, s2, weights.w2_zeros),
         topk_weights_ptr=topk_weights,
         out_ptr=out,
         topk_ids_ptr=topk_ids,
@@ -524,10 +656,6 @@ def run(
         group_len=weights.group_len(n_inter),
         blocks_per_split=per_slice2,
         **fields,
-        stride_qw_e=w2.stride(0),
-        stride_qw_n=w2.stride(1),
-        stride_s_e=s2.stride(0),
-        stride_s_g=s2.stride(1),
         stride_out=out.stride(0),
         **stack,
         EVEN_K=n_inter % block_k == 0,

@@ -16,7 +16,7 @@ benchmarks/KERNEL_NOTES.md items 4 and 7.
   once: GPTQModel's own ``fp16(scale * (q - zero))``). bf16 uses ``0x4300`` (128 + q) and an fp32 product.
 - NIBBLE_DOTS (tuning-only): one dot per nibble position on the int32 words instead of the int16 reshape.
 
-Dimension letters: runtime/kernels/common.py.
+Dimension letters: runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations
@@ -31,20 +31,25 @@ from repack.runtime.kernels.common import (
     TL_DTYPES,
     block_rows,
     launch_tiles,
+    projection_args,
     quant_params,
     tile_ids,
     word_mask,
-    zeros_or_scales,
 )
 from repack.runtime.weights import MoeWeights
 
 
 @triton.jit
 def _dequant(
-    words, scale, zero,  # int16 [BLOCK_N, BLOCK_K*BITS/16], fp16 [BLOCK_N], int32 [BLOCK_N] (the true zero point)
-    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    words,
+    scale,
+    zero,  # int16 [BLOCK_N, BLOCK_K*BITS/16], fp16 [BLOCK_N], int32 [BLOCK_N] (the true zero point)
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
     EXPONENT_TRICK: tl.constexpr,
-):  # fmt: skip
+):
     """int16 words -> weights [BLOCK_N, BLOCK_K] in ACT_DTYPE; EXPONENT_TRICK: the exponent-OR conversion."""
     VALS: tl.constexpr = 16 // BITS
     shifts = (tl.arange(0, VALS) * BITS).to(tl.int16)
@@ -65,10 +70,22 @@ def _dequant(
 
 @triton.jit
 def _nibble_dot(
-    acc, x_rows, k0, perm_ptrs, words, scale, zero,
-    s: tl.constexpr, j_mask, a_mask, offs_j,
-    HAS_PERM: tl.constexpr, BITS: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
-):  # fmt: skip
+    acc,
+    x_rows,
+    k0,
+    perm_ptrs,
+    words,
+    scale,
+    zero,
+    s: tl.constexpr,
+    j_mask,
+    a_mask,
+    offs_j,
+    HAS_PERM: tl.constexpr,
+    BITS: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    SCALE_ACC: tl.constexpr,
+):
     """acc += A[:, k0 + pack*j + s] @ W[:, k0 + pack*j + s]^T for field ``s`` of every int32 word.
 
     No reshape and no interleave: field s of the [BLOCK_N, BLOCK_K/pack] word tile is a 2-D tile in the
@@ -161,13 +178,39 @@ def _w13_kernel(
                 part_u = acc_up
             for s in tl.static_range(VALS):
                 part_g = _nibble_dot(
-                    part_g, x_rows, k0, perm_ptrs, gate_words, scale_gate, zero_gate, s, j_mask, a_mask, offs_w,
-                    HAS_PERM, BITS, ACT_DTYPE, SCALE_ACC,
-                )  # fmt: skip
+                    part_g,
+                    x_rows,
+                    k0,
+                    perm_ptrs,
+                    gate_words,
+                    scale_gate,
+                    zero_gate,
+                    s,
+                    j_mask,
+                    a_mask,
+                    offs_w,
+                    HAS_PERM,
+                    BITS,
+                    ACT_DTYPE,
+                    SCALE_ACC,
+                )
                 part_u = _nibble_dot(
-                    part_u, x_rows, k0, perm_ptrs, up_words, scale_up, zero_up, s, j_mask, a_mask, offs_w,
-                    HAS_PERM, BITS, ACT_DTYPE, SCALE_ACC,
-                )  # fmt: skip
+                    part_u,
+                    x_rows,
+                    k0,
+                    perm_ptrs,
+                    up_words,
+                    scale_up,
+                    zero_up,
+                    s,
+                    j_mask,
+                    a_mask,
+                    offs_w,
+                    HAS_PERM,
+                    BITS,
+                    ACT_DTYPE,
+                    SCALE_ACC,
+                )
             if SCALE_ACC:
                 acc_gate += part_g * scale_gate.to(tl.float32)[None, :]
                 acc_up += part_u * scale_up.to(tl.float32)[None, :]
@@ -240,9 +283,22 @@ def _w2_kernel(
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if SCALE_ACC else acc
             for s in tl.static_range(VALS):
                 part = _nibble_dot(
-                    part, a_rows, k0, a_rows, words, scale, zero, s, j_mask, a_mask, offs_w,
-                    False, BITS, ACT_DTYPE, SCALE_ACC,
-                )  # fmt: skip
+                    part,
+                    a_rows,
+                    k0,
+                    a_rows,
+                    words,
+                    scale,
+                    zero,
+                    s,
+                    j_mask,
+                    a_mask,
+                    offs_w,
+                    False,
+                    BITS,
+                    ACT_DTYPE,
+                    SCALE_ACC,
+                )
             acc = acc + part * scale.to(tl.float32)[None, :] if SCALE_ACC else part
         else:
             if EVEN_K:
@@ -283,36 +339,65 @@ def run(
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     nibbles = nibble_dots(config, weights.bits)
     words = torch.int32 if nibbles else torch.int16
-    w13, w2 = weights.w13_qweight.view(words), weights.w2_qweight.view(words)  # [E, 2I, H/VALS], [E, H, I/VALS]
-    s13, s2 = weights.w13_scales, weights.w2_scales
+    # the words as int16 (reshape path) or int32 (nibble dots): [E, 2I, H/VALS] and [E, H, I/VALS]
+    w13 = projection_args(weights.w13_qweight.view(words), weights.w13_scales, weights.w13_zeros)
+    w2 = projection_args(weights.w2_qweight.view(words), weights.w2_scales, weights.w2_zeros)
     act_dtype = TL_DTYPES[x.dtype]
     stack = dict(
-        TOP_K=topk_ids.shape[1], BITS=weights.bits, SYM_ZERO=1 << (weights.bits - 1),
-        HAS_ZEROS=weights.w13_zeros is not None, ACT_DTYPE=act_dtype,
-    )  # fmt: skip
+        TOP_K=topk_ids.shape[1],
+        BITS=weights.bits,
+        SYM_ZERO=1 << (weights.bits - 1),
+        HAS_ZEROS=weights.w13_zeros is not None,
+        ACT_DTYPE=act_dtype,
+    )
     switches = dict(
         # bf16's mantissa holds 128 + q only for 4-bit q: 8-bit bf16 converts instead
         EXPONENT_TRICK=not (act_dtype == tl.bfloat16 and weights.bits == 8),
         NIBBLE_DOTS=nibbles,
         SCALE_ACC=config.scale_acc,
     )
-    blocks = dict(sorted_pairs_ptr=rows.sorted_pairs, block_experts_ptr=rows.block_experts,
-                  num_blocks_ptr=rows.num_blocks, num_pairs=num_pairs, num_pid_m=rows.max_blocks)  # fmt: skip
+    blocks = dict(sorted_pairs_ptr=rows.sorted_pairs, block_experts_ptr=rows.block_experts)
+    blocks.update(num_blocks_ptr=rows.num_blocks, num_pairs=num_pairs, num_pid_m=rows.max_blocks)
+    has_perm = weights.w13_perm is not None
     launch_tiles(
-        _w13_kernel, rows.max_blocks, n_inter, config.meta(), x.device,
-        x_ptr=x, qw_ptr=w13, scales_ptr=s13, zeros_ptr=zeros_or_scales(weights.w13_zeros, s13),
-        perm_ptr=weights.w13_perm if weights.w13_perm is not None else topk_ids, inter_ptr=inter, **blocks,
-        N=n_inter, K=h, group_len=weights.group_len(h),
-        stride_x=x.stride(0), stride_qw_e=w13.stride(0), stride_qw_n=w13.stride(1), stride_s_e=s13.stride(0),
-        stride_s_g=s13.stride(1), stride_inter=inter.stride(0),
-        **stack, **switches, HAS_PERM=weights.w13_perm is not None, EVEN_K=h % config.block_k == 0,
-    )  # fmt: skip
+        _w13_kernel,
+        rows.max_blocks,
+        n_inter,
+        config.meta(),
+        x.device,
+        x_ptr=x,
+        perm_ptr=weights.w13_perm if has_perm else topk_ids,
+        inter_ptr=inter,
+        **w13,
+        **blocks,
+        N=n_inter,
+        K=h,
+        group_len=weights.group_len(h),
+        stride_x=x.stride(0),
+        stride_inter=inter.stride(0),
+        **stack,
+        **switches,
+        HAS_PERM=has_perm,
+        EVEN_K=h % config.block_k == 0,
+    )
     launch_tiles(
-        _w2_kernel, rows.max_blocks, h, config.meta(), x.device,
-        inter_ptr=inter, qw_ptr=w2, scales_ptr=s2, zeros_ptr=zeros_or_scales(weights.w2_zeros, s2),
-        topk_weights_ptr=topk_weights, out_ptr=target, **blocks,
-        N=h, K=n_inter, group_len=weights.group_len(n_inter),
-        stride_inter=inter.stride(0), stride_qw_e=w2.stride(0), stride_qw_n=w2.stride(1), stride_s_e=s2.stride(0),
-        stride_s_g=s2.stride(1), stride_out=target.stride(0),
-        **stack, **switches, ATOMIC=config.reduce == "atomic", EVEN_K=n_inter % config.block_k == 0,
-    )  # fmt: skip
+        _w2_kernel,
+        rows.max_blocks,
+        h,
+        config.meta(),
+        x.device,
+        inter_ptr=inter,
+        topk_weights_ptr=topk_weights,
+        out_ptr=target,
+        **w2,
+        **blocks,
+        N=h,
+        K=n_inter,
+        group_len=weights.group_len(n_inter),
+        stride_inter=inter.stride(0),
+        stride_out=target.stride(0),
+        **stack,
+        **switches,
+        ATOMIC=config.reduce == "atomic",
+        EVEN_K=n_inter % config.block_k == 0,
+    )
