@@ -15,7 +15,6 @@ which must be switched on before the kernel modules are imported (``repack.cli``
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -77,13 +76,9 @@ class DemoReport:
 
 def interpreter_active() -> bool:
     """True when the runtime's Triton kernels were defined for the interpreter (imports them)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from repack.runtime.kernels.backend import interpreter_active as kernels_interpreted
 
-    fused = importlib.import_module("repack.runtime.fused_moe")  # the package exports a function of that name
-    linear = importlib.import_module("repack.runtime.kernels.gptq_linear")
-    return isinstance(fused._w13_kernel, InterpretedFunction) and isinstance(
-        linear._gptq_linear_kernel, InterpretedFunction
-    )
+    return kernels_interpreted()
 
 
 # ------------------------------------------------------------------------------------ source tensors

@@ -4,7 +4,7 @@ The names below are imported on first use, so ``import repack.runtime`` stays ch
 triton nor the CLI until a kernel or the loader is needed.
 
 Importing this package also makes ``transformers.AutoModelForCausalLM.from_pretrained`` understand
-``quant_method: "repack"`` (runtime/integrations/hf_quantizer.py). Registering needs transformers' quantizer registry,
+``quant_method: "repack"`` (runtime/integrations/transformers.py). Registering needs transformers' quantizer registry,
 whose import costs seconds, so it is not imported here: when it is already loaded we register now,
 otherwise a one-shot import hook registers right after transformers first imports it.
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from repack.runtime.fused_moe import fused_moe
-    from repack.runtime.integrations.hf import load_hf_model
+    from repack.runtime.integrations.transformers import load_hf_model
     from repack.runtime.kernels.routing import route
     from repack.runtime.loader import RepackCheckpoint, load
     from repack.runtime.moe_block import MoeBlock
@@ -32,7 +32,7 @@ _EXPORTS = {
     "MoeWeights": "weights",
     "fused_moe": "fused_moe",
     "route": "kernels.routing",
-    "load_hf_model": "integrations.hf",
+    "load_hf_model": "integrations.transformers",
 }
 
 __all__ = ["MoeBlock", "MoeWeights", "RepackCheckpoint", "fused_moe", "load", "load_hf_model", "route"]
@@ -55,11 +55,11 @@ _TRANSFORMERS_REGISTRY = "transformers.quantizers.auto"
 
 
 def _register_repack_quantizer() -> None:
-    """hf_quantizer registers itself when imported (also when it is the module that triggered the import).
+    """The integration registers itself when imported (also when it is the module that triggered the import).
 
     A transformers version our quantizer does not fit must not break transformers itself: warn instead."""
     try:
-        importlib.import_module("repack.runtime.integrations.hf_quantizer")
+        importlib.import_module("repack.runtime.integrations.transformers")
     except Exception as error:  # noqa: BLE001 - any failure here is reported, never raised into transformers
         import warnings
 

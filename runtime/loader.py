@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,16 +20,17 @@ import torch
 from repack.formats.checkpoint import (
     CONVERSION_ID_KEY,
     CheckpointReader,
+    TensorEntry,
     check_one_conversion,
     read_repack_config,
-    read_safetensors_header,
 )
 from repack.formats.errors import RepackError
 from repack.formats.hub import download_snapshot, looks_like_repo_id
 from repack.formats.integrity import check_output_files, read_manifest
 from repack.formats.stacks import ROUTED, SHARED, StackInfo
 from repack.runtime.kernels.backend import check_kernel_backend
-from repack.runtime.moe_block import MoeBlock, resolve_shared_mode
+from repack.runtime.moe_block import MoeBlock, block_prefix, resolve_shared_mode
+from repack.runtime.routers import router_spec
 from repack.runtime.weights import MoeWeights, join_adjacent
 
 STAGING_CHUNK_BYTES = 256 << 20  # per pinned staging buffer; two of them alternate
@@ -43,45 +43,33 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a shard: where its bytes lie relative to the start of the shard's data region."""
+class ShardRegion:
+    """The bytes of one shard the loader reads: from its first tensor to the end of its last, in one piece.
 
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """A parsed safetensors header: the data region's position in the file and the tensors in it."""
+    The tensors come from the format's reader (``formats.checkpoint.TensorEntry``, absolute file offsets): the
+    headers are parsed once, there."""
 
     path: Path
-    data_start: int
-    data_bytes: int
+    start: int  # absolute file offset of the first tensor's data
+    nbytes: int
     entries: tuple[TensorEntry, ...]
     identity: tuple[int, int]  # (device, inode) of the file the header came from
 
 
-def read_shard_layout(file: Path, header: dict | None = None, identity: tuple[int, int] | None = None) -> ShardLayout:
-    """Where a shard's data region starts and where each tensor lies in it.
-
-    The header is parsed and checked (dtypes, sizes, ranges inside the file) by the format's own reader,
-    ``formats.checkpoint.read_safetensors_header`` (pass its result as ``header`` if already parsed); this adds
-    the data region's bounds for the byte copy.
-    """
-    header = read_safetensors_header(file) if header is None else header
-    with open(file, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-    data_start = 8 + header_len
-    entries = tuple(
-        TensorEntry(e.name, e.torch_dtype, e.shape, e.offset - data_start, e.offset - data_start + e.nbytes)
-        for e in header.values()
-    )
-    stat = file.stat()
-    identity = (stat.st_dev, stat.st_ino) if identity is None else identity  # the file the header came from
-    return ShardLayout(file, data_start, stat.st_size - data_start, entries, identity)
+def shard_regions(reader: CheckpointReader) -> list[ShardRegion]:
+    """One region per shard that holds tensors, in the reader's file order."""
+    by_file: dict[str, list[TensorEntry]] = {}
+    for entry in reader.entries.values():
+        by_file.setdefault(entry.file, []).append(entry)
+    regions = []
+    for file in reader.files:
+        entries = by_file.get(file)
+        if not entries:
+            continue
+        start = min(entry.offset for entry in entries)
+        end = max(entry.offset + entry.nbytes for entry in entries)
+        regions.append(ShardRegion(reader.folder / file, start, end - start, tuple(entries), reader.identities[file]))
+    return regions
 
 
 def _read_exactly(handle, target: memoryview, file: Path) -> None:
@@ -118,36 +106,38 @@ class HostStaging:
             self.ready[slot] = event
 
 
-def read_shard_bytes(layout: ShardLayout, device: torch.device, staging: HostStaging | None) -> torch.Tensor:
-    """The shard's whole data region as one uint8 tensor on ``device`` (one buffer, filled by plain copies)."""
-    with open(layout.path, "rb", buffering=0) as handle:
+def read_shard_bytes(region: ShardRegion, device: torch.device, staging: HostStaging | None) -> torch.Tensor:
+    """The region's bytes as one uint8 tensor on ``device`` (one buffer, filled by plain copies)."""
+    with open(region.path, "rb", buffering=0) as handle:
         stat = os.fstat(handle.fileno())
-        if (stat.st_dev, stat.st_ino) != layout.identity:
+        if (stat.st_dev, stat.st_ino) != region.identity:
             raise RepackError(
-                f"{layout.path}: replaced while loading (another `repack convert --force`?); load it again"
+                f"{region.path}: replaced while loading (another `repack convert --force`?); load it again"
             )
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        handle.seek(layout.data_start)
+        handle.seek(region.start)
         if device.type == "cpu":
-            buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
-            _read_exactly(handle, memoryview(buffer.numpy()), layout.path)
+            buffer = torch.empty(region.nbytes, dtype=torch.uint8)
+            _read_exactly(handle, memoryview(buffer.numpy()), region.path)
             return buffer
-        buffer = torch.empty(layout.data_bytes, dtype=torch.uint8, device=device)
-        staging.copy_file_to(handle, layout.path, buffer)
+        buffer = torch.empty(region.nbytes, dtype=torch.uint8, device=device)
+        staging.copy_file_to(handle, region.path, buffer)
         return buffer
 
 
-def tensor_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    """The tensor ``entry`` as a view into its shard's byte buffer: same storage, same bytes.
+def tensor_view(buffer: torch.Tensor, begin: int, entry: TensorEntry) -> torch.Tensor:
+    """The tensor ``entry``, whose bytes start at ``begin`` in its shard's byte buffer, as a view: same storage,
+    same bytes.
 
     safetensors writers align every tensor to its element size; a file that does not (hand-made) costs one
     copy of that tensor's bytes, still bit for bit.
     """
-    raw = buffer[entry.begin : entry.end]
-    if entry.begin % entry.dtype.itemsize:
+    dtype = entry.torch_dtype
+    raw = buffer[begin : begin + entry.nbytes]
+    if begin % dtype.itemsize:
         raw = raw.clone()
-    return raw.view(entry.dtype).view(entry.shape)
+    return raw.view(dtype).view(entry.shape)
 
 
 def load_tensors(
@@ -162,21 +152,16 @@ def load_tensors(
     reader = CheckpointReader(folder)
     if config is not None:
         check_one_conversion(folder, config, reader)
-    layouts = [
-        read_shard_layout(
-            folder / file, {n: e for n, e in reader.entries.items() if e.file == file}, reader.identities[file]
-        )
-        for file in reader.files
-    ]
+    regions = shard_regions(reader)
     staging = None
     if device.type != "cpu":
-        largest = max((layout.data_bytes for layout in layouts), default=0)
+        largest = max((region.nbytes for region in regions), default=0)
         staging = HostStaging(max(1, min(chunk_bytes, largest)))
     tensors: dict[str, torch.Tensor] = {}
-    for layout in layouts:
-        buffer = read_shard_bytes(layout, device, staging)
-        for entry in layout.entries:
-            tensors[entry.name] = tensor_view(buffer, entry)
+    for region in regions:
+        buffer = read_shard_bytes(region, device, staging)
+        for entry in region.entries:
+            tensors[entry.name] = tensor_view(buffer, entry.offset - region.start, entry)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return tensors
@@ -260,8 +245,26 @@ class RepackCheckpoint:
                 raise RepackError(
                     f"{self.path}: layer {layer} has no sparse-MoE block; MoE layers are {self.moe_layers}"
                 )
-            self._blocks[(layer, mode)] = MoeBlock.from_checkpoint(self, layer, shared_mode=mode)
+            self._blocks[(layer, mode)] = self._build_block(layer, mode)
         return self._blocks[(layer, mode)]
+
+    def _build_block(self, layer: int, shared_mode: str) -> MoeBlock:
+        """A layer's stacks and router tensors as a MoeBlock (views, nothing copied)."""
+        routed, shared = self.stack_info(layer, ROUTED), self.stack_info(layer, SHARED)
+        block = block_prefix(routed.prefix)
+        if shared is None:
+            float_shared = [
+                n for n in self.tensors if n.startswith((f"{block}.shared_expert.", f"{block}.shared_experts."))
+            ]
+            if float_shared:  # SPEC section 2: a float shared expert is copied through and gets no stack
+                raise RepackError(
+                    f"{self.path}: layer {layer}'s shared expert is stored in float ({float_shared[0]}), which "
+                    "moe_block does not run; use repack.runtime.load_hf_model, which runs it"
+                )
+        spec = router_spec(self.text_config)
+        return MoeBlock.from_tensors(
+            self.tensors, routed, shared, spec, block=block, where=str(self.path), shared_mode=shared_mode
+        )
 
 
 def load(

@@ -9,27 +9,23 @@ have none.
 Shared modes. "joined": one fused_moe call over the routed stack extended by the shared chunks (experts E ..
 E + C - 1 of a view the converter's file layout allows, runtime.weights.join_adjacent), each token taking its
 top-k plus the C chunks; where no such view exists the block runs "separate": a routed call, then a shared call.
-"auto" (the default) joins while a call has at most JOINED_MAX_TOKENS tokens and runs separate above: on an
-H200 (benchmarks/RESULTS.md, third session) one launch wins at decode and small batches (fp16: Qwen2-57B M=2..32
-5-19% faster, Qwen1.5-MoE M=1..64 3-26%), two launches win at prefill (Qwen2-57B from M=64: 7-16% at fp16, up to
-31% at bf16; the joined call's tiles are tuned for the routed experts' rows, not for chunks every token takes).
+"auto" (the default) joins while a call has at most JOINED_MAX_TOKENS tokens and runs separate above: one launch
+wins at decode and small batches, two launches win at prefill, where the joined call's tiles, tuned for the routed
+experts' rows, fit chunks that every token takes poorly (measured: benchmarks/KERNEL_NOTES.md item 12).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from repack.formats.errors import RepackError
-from repack.formats.stacks import ROUTED, SHARED
-from repack.runtime.routers import DEEPSEEK_V3, SOFTMAX_TOPK, RouterSpec, route_reference, router_spec
+from repack.formats.stacks import StackInfo
+from repack.runtime.routers import DEEPSEEK_V3, SOFTMAX_TOPK, RouterSpec, route_reference
 from repack.runtime.weights import MoeWeights, join_adjacent
-
-if TYPE_CHECKING:
-    from repack.runtime.loader import RepackCheckpoint
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 JOINED = "joined"  # one fused_moe call: routed experts and shared chunks as one stack (falls back to SEPARATE)
@@ -37,7 +33,7 @@ SEPARATE = "separate"  # a fused_moe call for the routed experts, another for th
 AUTO = "auto"  # JOINED for calls of at most JOINED_MAX_TOKENS tokens, SEPARATE above
 SHARED_MODES = (AUTO, JOINED, SEPARATE)
 DEFAULT_SHARED_MODE = AUTO  # what every entry point (load, load_hf_model, MoeBlock) takes when given none
-JOINED_MAX_TOKENS = 32  # H200 crossover: Qwen2-57B between 32 and 64 tokens, Qwen1.5-MoE between 256 and 1024
+JOINED_MAX_TOKENS = 32  # the smaller of the measured crossovers (KERNEL_NOTES.md item 12)
 
 
 def resolve_shared_mode(mode: str | None) -> str:
@@ -88,39 +84,43 @@ class MoeBlock(nn.Module):
         self._cast_cache: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     @classmethod
-    def from_checkpoint(cls, ckpt: RepackCheckpoint, layer: int, *, shared_mode: str | None = None) -> MoeBlock:
-        """Gather a layer's stacks and router tensors from a loaded checkpoint (views, nothing copied).
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        routed: StackInfo,
+        shared: StackInfo | None,
+        spec: RouterSpec,
+        *,
+        block: str = "",
+        where: str = "",
+        shared_mode: str | None = None,
+    ) -> MoeBlock:
+        """The block over its stored tensors, named as in the checkpoint (formats/SPEC.md section 2): the stacks'
+        tensors and ``{block}.gate.weight`` (``{block}.`` left out when ``block`` is empty). Views, nothing copied;
+        a missing tensor is a one-line error naming ``where``. The loader (a whole checkpoint) and the transformers
+        integration (a block's buffers) both build their blocks here."""
 
-        ``shared_mode`` None takes the checkpoint's (``load(..., shared_mode=)``)."""
-        routed_info = ckpt.stack_info(layer, ROUTED)
-        prefix = block_prefix(routed_info.prefix)
-
-        def tensor(name: str, required: bool) -> torch.Tensor | None:
-            found = ckpt.tensors.get(f"{prefix}.{name}")
+        def tensor(leaf: str, required: bool) -> torch.Tensor | None:
+            name = f"{block}.{leaf}" if block else leaf
+            found = tensors.get(name)
             if found is None and required:
-                raise RepackError(f"{ckpt.path}: tensor {prefix}.{name} is missing; re-run `repack convert`")
+                raise RepackError(f"{where}: tensor {name} is missing; re-run `repack convert`")
             return found
 
-        spec = router_spec(ckpt.text_config)
-        shared = ckpt.moe_weights(layer, SHARED)
-        if shared is None:
-            float_shared = [
-                n for n in ckpt.tensors if n.startswith((f"{prefix}.shared_expert.", f"{prefix}.shared_experts."))
-            ]
-            if float_shared:  # SPEC section 2: a float shared expert is copied through and gets no stack
-                raise RepackError(
-                    f"{ckpt.path}: layer {layer}'s shared expert is stored in float ({float_shared[0]}), which "
-                    "moe_block does not run; use repack.runtime.load_hf_model, which runs it"
-                )
+        for info in (routed, shared):
+            missing = [name for name in info.tensor_names() if name not in tensors] if info is not None else []
+            if missing:
+                raise RepackError(f"{where}: tensor {missing[0]} is missing from the shards; re-run `repack convert`")
+        shared_weights = MoeWeights.from_tensors(shared, tensors) if shared is not None else None
         return cls(
-            ckpt.moe_weights(layer, ROUTED),
+            MoeWeights.from_tensors(routed, tensors),
             tensor("gate.weight", required=True),
             spec,
-            shared=shared,
+            shared=shared_weights,
             shared_gate_weight=tensor("shared_expert_gate.weight", required=False) if shared is not None else None,
             correction_bias=tensor("gate.e_score_correction_bias", required=spec.method == DEEPSEEK_V3),
-            name=prefix,
-            shared_mode=shared_mode if shared_mode is not None else ckpt.shared_mode,
+            name=block or where,
+            shared_mode=shared_mode,
         )
 
     def _as(self, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 Why a check: Triton decides at import whether its kernels are interpreted, so a CPU run whose triton was imported
 without ``TRITON_INTERPRET=1`` dies deep inside Triton ("0 active drivers"); callers check first and say what to do.
+This module is the one place the runtime switches the interpreter on (``load``, ``load_hf_model`` and the
+``from_pretrained`` quantizer all call :func:`check_kernel_backend`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ def check_kernel_backend(device: torch.device, caller: str) -> None:
         return
     if "triton" not in sys.modules and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from repack.runtime.kernels import gptq_linear
-
-    if not isinstance(gptq_linear._gptq_linear_kernel, InterpretedFunction):
+    if not interpreter_active():
         raise RepackError(
             f"{caller}: device='cpu' needs the Triton interpreter, but triton was imported without "
             "TRITON_INTERPRET=1; set TRITON_INTERPRET=1 before importing torch/triton, or use device='cuda'"
         )
+
+
+def interpreter_active() -> bool:
+    """True when the runtime's kernels were defined for the interpreter (imports them)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from repack.runtime.kernels import gptq_linear, gptq_order
+
+    kernels = (gptq_order._w13_kernel, gptq_linear._gptq_linear_kernel)
+    return all(isinstance(kernel, InterpretedFunction) for kernel in kernels)

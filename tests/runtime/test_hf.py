@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from repack.convert import convert
 from repack.formats.errors import RepackError
-from repack.runtime.integrations.hf import HfMoeBlock, load_hf_model
+from repack.runtime.integrations.transformers import RepackMoeBlock, load_hf_model
 from repack.runtime.kernels.gptq_linear import GptqW4A16Linear
 from tests.support.fixtures import FIXTURES, FIXTURES_DIR, assert_logits_match_reference
 
@@ -54,7 +54,7 @@ def test_quantized_layers_stay_int4(name, converted, device):
     """Every MoE block runs on the runtime and every attention linear reads int4 tensors: no fp16 weights."""
     model = load_hf_model(converted[name], device=device, dtype=torch.float16)
     layers = model.model.layers
-    assert all(isinstance(layer.mlp, HfMoeBlock) for layer in layers)
+    assert all(isinstance(layer.mlp, RepackMoeBlock) for layer in layers)
     for layer in layers:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             linear = getattr(layer.self_attn, proj)
@@ -132,6 +132,6 @@ def test_shared_mode_reaches_every_moe_block(shared_mode, tmp_path, device):
     )
     convert(str(source), tmp_path / "out", quiet=True)
     model = load_hf_model(tmp_path / "out", device=device, shared_mode=shared_mode)
-    blocks = [layer.mlp.moe for layer in model.model.layers]
+    blocks = [layer.mlp.runtime() for layer in model.model.layers]
     assert blocks and all(block.shared_mode == shared_mode for block in blocks)
     assert all((block.joined is not None) == (shared_mode == "joined") for block in blocks)

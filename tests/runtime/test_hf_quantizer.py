@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import repack.runtime  # noqa: F401  (registers quant_method "repack" with transformers)
 from repack.convert import convert
 from repack.formats.errors import RepackError
-from repack.runtime.integrations.hf_quantizer import RepackMoeBlock
+from repack.runtime.integrations.transformers import RepackMoeBlock
 from repack.runtime.kernels.gptq_linear import GptqW4A16Linear
 from tests.support.fixtures import FIXTURES_DIR, assert_logits_match_reference
 
