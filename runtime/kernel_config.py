@@ -195,33 +195,15 @@ def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> KernelCon
     if direct_mode(num_pairs, num_experts):
         # Few pairs leave most of the GPU idle: slices of K give it programs (KERNEL_NOTES.md item 10).
         split = 4 if num_pairs <= 8 else 2 if num_pairs <= 16 else 1
-        return KernelConfig(
-            Kernels.DECODE,
-            block_m=16,
-            block_n=32,
-            block_k=128,
-            group_m=1,
-            num_warps=1,
-            num_stages=1,
-            direct=True,
-            split_k=split,
-        )
+        return KernelConfig(Kernels.DECODE, 16, 32, 128, 1, num_warps=1, num_stages=1, direct=True, split_k=split)
     if per_expert <= 8:
         block_m, block_n, group_m = 16, 128, 1
     elif per_expert <= 24:
         block_m, block_n, group_m = 32, 64, 4
     else:
         block_m, block_n, group_m = 64, 128, 8
-    return KernelConfig(
-        Kernels.WEIGHT_MAJOR,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=128,
-        group_m=group_m,
-        num_warps=4,
-        num_stages=3,
-        scale_acc=False,
-    )
+    tile = dict(block_m=block_m, block_n=block_n, block_k=128, group_m=group_m, num_warps=4, num_stages=3)
+    return KernelConfig(Kernels.WEIGHT_MAJOR, **tile, scale_acc=False)
 
 
 HEURISTIC_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -92,26 +92,9 @@ def _block_dot(acc, scale, words, zero, x0, x1, x2, x3, x4, x5, x6, x7, field_ma
 
 
 @triton.jit
-def _w13_block(
-    gate_ptrs,
-    up_ptrs,
-    scale_ptrs,
-    zero_ptrs,
-    k0,
-    k_last,
-    k_words,
-    group_len,
-    stride_s_g,
-    N,
-    n_mask,
-    offs_w,
-    BITS: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    SYM_ZERO: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, N, n_mask,
+               offs_w, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Gate and up words, scales and zeros of the K block at ``k0``.
 
     A block past the program's K range (a prefetch the loop never uses) reads its last block ``k_last`` again
@@ -123,31 +106,15 @@ def _w13_block(
     up = tl.load(up_ptrs + k0 // VALS, mask=mask, other=0)
     group = k0 // group_len
     scale_g, zero_g = quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
-    scale_u, zero_u = quant_params(
-        scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N
-    )
+    scale_u, zero_u = quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
+                                    BLOCK_N)  # fmt: skip
     return gate, up, scale_g, zero_g, scale_u, zero_u
 
 
 @triton.jit
-def _w2_block(
-    w_ptrs,
-    scale_ptrs,
-    zero_ptrs,
-    k0,
-    k_last,
-    k_words,
-    group_len,
-    stride_s_g,
-    n_mask,
-    offs_w,
-    BITS: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    SYM_ZERO: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, n_mask, offs_w,
+              BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Words, scales and zeros of the K block at ``k0`` (past the range: block ``k_last``, as in _w13_block)."""
     VALS: tl.constexpr = 32 // BITS
     k0 = tl.minimum(k0, k_last)
@@ -308,70 +275,19 @@ def _w13_decode_kernel(
     acc_gate = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     # The first block (and the second when PREFETCH == 2) before the loop; the loop loads k0 + PREFETCH*BLOCK_K.
-    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(
-        gate_ptrs,
-        up_ptrs,
-        scale_ptrs,
-        zero_ptrs,
-        k_begin,
-        k_last,
-        k_words,
-        group_len,
-        stride_s_g,
-        N,
-        n_mask,
-        offs_w,
-        BITS,
-        HAS_ZEROS,
-        SYM_ZERO,
-        EVEN_K,
-        BLOCK_N,
-        BLOCK_K,
-    )
-    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(
-        gate_ptrs,
-        up_ptrs,
-        scale_ptrs,
-        zero_ptrs,
-        k_begin + BLOCK_K,
-        k_last,
-        k_words,
-        group_len,
-        stride_s_g,
-        N,
-        n_mask,
-        offs_w,
-        BITS,
-        HAS_ZEROS,
-        SYM_ZERO,
-        EVEN_K,
-        BLOCK_N,
-        BLOCK_K,
-    )
+    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last,
+                                                      k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
+                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K,
+                                                      k_last, k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
+                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
     x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(xp_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ahead = k0 + PREFETCH * BLOCK_K
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(
-            gate_ptrs,
-            up_ptrs,
-            scale_ptrs,
-            zero_ptrs,
-            ahead,
-            k_last,
-            k_words,
-            group_len,
-            stride_s_g,
-            N,
-            n_mask,
-            offs_w,
-            BITS,
-            HAS_ZEROS,
-            SYM_ZERO,
-            EVEN_K,
-            BLOCK_N,
-            BLOCK_K,
-        )
+        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, k_last,
+                                                          k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
+                                                          HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
         n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(xp_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
         acc_gate = _block_dot(acc_gate, sg_0, gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         acc_up = _block_dot(acc_up, su_0, up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
@@ -432,63 +348,16 @@ def _w2_decode_kernel(
     k_words = K // VALS
     k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    w_0, s_0, z_0 = _w2_block(
-        w_ptrs,
-        scale_ptrs,
-        zero_ptrs,
-        k_begin,
-        k_last,
-        k_words,
-        group_len,
-        stride_s_g,
-        n_mask,
-        offs_w,
-        BITS,
-        HAS_ZEROS,
-        SYM_ZERO,
-        EVEN_K,
-        BLOCK_N,
-        BLOCK_K,
-    )
-    w_1, s_1, z_1 = _w2_block(
-        w_ptrs,
-        scale_ptrs,
-        zero_ptrs,
-        k_begin + BLOCK_K,
-        k_last,
-        k_words,
-        group_len,
-        stride_s_g,
-        n_mask,
-        offs_w,
-        BITS,
-        HAS_ZEROS,
-        SYM_ZERO,
-        EVEN_K,
-        BLOCK_N,
-        BLOCK_K,
-    )
+    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, group_len, stride_s_g, n_mask,
+                              offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, group_len, stride_s_g,
+                              n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
     x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(inter_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        w_n, s_n, z_n = _w2_block(
-            w_ptrs,
-            scale_ptrs,
-            zero_ptrs,
-            k0 + PREFETCH * BLOCK_K,
-            k_last,
-            k_words,
-            group_len,
-            stride_s_g,
-            n_mask,
-            offs_w,
-            BITS,
-            HAS_ZEROS,
-            SYM_ZERO,
-            EVEN_K,
-            BLOCK_N,
-            BLOCK_K,
-        )
+        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, k_last, k_words, group_len,
+                                  stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                  BLOCK_K)  # fmt: skip
         n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(inter_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
         acc = _block_dot(acc, s_0, w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         if PREFETCH == 2:
@@ -573,7 +442,6 @@ def run(
     programs when the pairs are few). The top-k sum is always w2's own (fp32 adds, the last program writes)."""
     m, h = x.shape
     n_inter, num_pairs, top_k = weights.intermediate_size, topk_ids.numel(), topk_ids.shape[1]
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     block_n = config.block_n
     block_k = 128 if weights.mma_order else config.block_k
     has_perm = weights.w13_perm is not None
@@ -607,61 +475,32 @@ def run(
         num_warps=1,
         **order,
     )
-    stack = dict(
+    shared = dict(
+        topk_ids_ptr=topk_ids,
+        num_experts=weights.num_experts,
+        field_mask=(1 << weights.bits) - 1,  # the field mask and exponent bits, passed in registers: see _term
+        magic=FP32_TWO_POW_23,
+        i_pad=scratch.i_pad,
         TOP_K=top_k,
         BITS=weights.bits,
         SYM_ZERO=1 << (weights.bits - 1),
         HAS_ZEROS=weights.w13_zeros is not None,
         ACT_DTYPE=TL_DTYPES[x.dtype],
+        PREFETCH=config.prefetch,
+        BLOCK_N=block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **order,
     )
-    fields = dict(field_mask=(1 << weights.bits) - 1, magic=FP32_TWO_POW_23)  # passed in registers: see _term
     views = scratch.views
-    w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
-    _w13_decode_kernel[(num_pairs, tiles13, slices13)](
-        xp_ptr=xp,
-        **projection_args(w13, s13, weights.w13_zeros),
-        inter_ptr=views["inter"],
-        topk_ids_ptr=topk_ids,
-        sums_ptr=views["gate_up_sums"],
-        arrivals_ptr=views["gate_up_arrivals"],
-        num_experts=weights.num_experts,
-        N=n_inter,
-        K=h,
-        k_pad=k_pad,
-        i_pad=scratch.i_pad,
-        group_len=weights.group_len(h),
-        blocks_per_split=per_slice13,
-        **fields,
-        **stack,
-        HAS_PERM=has_perm,
-        EVEN_K=h % block_k == 0,
-        SPLIT_K=slices13 > 1,
-        PREFETCH=config.prefetch,
-        BLOCK_N=block_n,
-        **order,
-        **launch,
-    )
-    _w2_decode_kernel[(num_pairs, tiles2, slices2)](
-        inter_ptr=views["inter"],
-        **projection_args(w2, s2, weights.w2_zeros),
-        topk_weights_ptr=topk_weights,
-        out_ptr=out,
-        topk_ids_ptr=topk_ids,
-        sums_ptr=views["out_sums"],
-        arrivals_ptr=views["out_arrivals"],
-        num_experts=weights.num_experts,
-        N=h,
-        K=n_inter,
-        i_pad=scratch.i_pad,
-        group_len=weights.group_len(n_inter),
-        blocks_per_split=per_slice2,
-        **fields,
-        stride_out=out.stride(0),
-        **stack,
-        EVEN_K=n_inter % block_k == 0,
-        REDUCE=reduce2,
-        PREFETCH=config.prefetch,
-        BLOCK_N=block_n,
-        **order,
-        **launch,
-    )
+    args13 = projection_args(weights.w13_qweight, weights.w13_scales, weights.w13_zeros)
+    args13.update(xp_ptr=xp, inter_ptr=views["inter"], sums_ptr=views["gate_up_sums"], N=n_inter, K=h, k_pad=k_pad)
+    args13.update(arrivals_ptr=views["gate_up_arrivals"], group_len=weights.group_len(h), blocks_per_split=per_slice13)
+    args13.update(HAS_PERM=has_perm, EVEN_K=h % block_k == 0, SPLIT_K=slices13 > 1)
+    _w13_decode_kernel[(num_pairs, tiles13, slices13)](**args13, **shared)
+    args2 = projection_args(weights.w2_qweight, weights.w2_scales, weights.w2_zeros)
+    args2.update(inter_ptr=views["inter"], topk_weights_ptr=topk_weights, out_ptr=out, stride_out=out.stride(0))
+    args2.update(sums_ptr=views["out_sums"], arrivals_ptr=views["out_arrivals"], N=h, K=n_inter)
+    args2.update(group_len=weights.group_len(n_inter), blocks_per_split=per_slice2)
+    args2.update(EVEN_K=n_inter % block_k == 0, REDUCE=reduce2)
+    _w2_decode_kernel[(num_pairs, tiles2, slices2)](**args2, **shared)

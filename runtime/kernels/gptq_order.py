@@ -340,8 +340,8 @@ def run(
     nibbles = nibble_dots(config, weights.bits)
     words = torch.int32 if nibbles else torch.int16
     # the words as int16 (reshape path) or int32 (nibble dots): [E, 2I, H/VALS] and [E, H, I/VALS]
-    w13 = projection_args(weights.w13_qweight.view(words), weights.w13_scales, weights.w13_zeros)
-    w2 = projection_args(weights.w2_qweight.view(words), weights.w2_scales, weights.w2_zeros)
+    args13 = projection_args(weights.w13_qweight.view(words), weights.w13_scales, weights.w13_zeros)
+    args2 = projection_args(weights.w2_qweight.view(words), weights.w2_scales, weights.w2_zeros)
     act_dtype = TL_DTYPES[x.dtype]
     stack = dict(
         TOP_K=topk_ids.shape[1],
@@ -356,48 +356,21 @@ def run(
         NIBBLE_DOTS=nibbles,
         SCALE_ACC=config.scale_acc,
     )
-    blocks = dict(sorted_pairs_ptr=rows.sorted_pairs, block_experts_ptr=rows.block_experts)
-    blocks.update(num_blocks_ptr=rows.num_blocks, num_pairs=num_pairs, num_pid_m=rows.max_blocks)
+    shared = dict(sorted_pairs_ptr=rows.sorted_pairs, block_experts_ptr=rows.block_experts, **stack, **switches)
+    shared.update(num_blocks_ptr=rows.num_blocks, num_pairs=num_pairs, num_pid_m=rows.max_blocks)
     has_perm = weights.w13_perm is not None
+    args13.update(x_ptr=x, inter_ptr=inter, N=n_inter, K=h, stride_x=x.stride(0), stride_inter=inter.stride(0))
+    args13.update(
+        perm_ptr=weights.w13_perm if has_perm else topk_ids, HAS_PERM=has_perm, group_len=weights.group_len(h)
+    )
+    args2.update(
+        inter_ptr=inter, out_ptr=target, N=h, K=n_inter, stride_inter=inter.stride(0), stride_out=target.stride(0)
+    )
+    args2.update(topk_weights_ptr=topk_weights, ATOMIC=config.reduce == "atomic", group_len=weights.group_len(n_inter))
+    meta = config.meta()
     launch_tiles(
-        _w13_kernel,
-        rows.max_blocks,
-        n_inter,
-        config.meta(),
-        x.device,
-        x_ptr=x,
-        perm_ptr=weights.w13_perm if has_perm else topk_ids,
-        inter_ptr=inter,
-        **w13,
-        **blocks,
-        N=n_inter,
-        K=h,
-        group_len=weights.group_len(h),
-        stride_x=x.stride(0),
-        stride_inter=inter.stride(0),
-        **stack,
-        **switches,
-        HAS_PERM=has_perm,
-        EVEN_K=h % config.block_k == 0,
+        _w13_kernel, rows.max_blocks, n_inter, meta, x.device, **args13, **shared, EVEN_K=h % config.block_k == 0
     )
     launch_tiles(
-        _w2_kernel,
-        rows.max_blocks,
-        h,
-        config.meta(),
-        x.device,
-        inter_ptr=inter,
-        topk_weights_ptr=topk_weights,
-        out_ptr=target,
-        **w2,
-        **blocks,
-        N=h,
-        K=n_inter,
-        group_len=weights.group_len(n_inter),
-        stride_inter=inter.stride(0),
-        stride_out=target.stride(0),
-        **stack,
-        **switches,
-        ATOMIC=config.reduce == "atomic",
-        EVEN_K=n_inter % config.block_k == 0,
+        _w2_kernel, rows.max_blocks, h, meta, x.device, **args2, **shared, EVEN_K=n_inter % config.block_k == 0
     )

@@ -96,16 +96,8 @@ def _mask_or(words, MASK: tl.constexpr, MAGIC: tl.constexpr, INLINE_PTX: tl.cons
 
 
 @triton.jit
-def _pair_weights(
-    words,
-    zero_f,
-    zero_odd,
-    scale,
-    i: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    SCALE_ACC: tl.constexpr,
-    INLINE_PTX: tl.constexpr,
-):
+def _pair_weights(words, zero_f, zero_odd, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
+                  INLINE_PTX: tl.constexpr):  # fmt: skip
     """Chunk ``4g + i`` of ``mma128`` words [rows, 8] (half ``g`` of a K step) as a [rows, 16] MMA operand.
 
     One LOP3 per two weights: fields ``i`` and ``4 + i`` of word ``m`` are inputs ``2m`` and ``2m + 1`` of the chunk,
@@ -152,17 +144,8 @@ def _zero_bias(zero, ACT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _block_pairs(
-    pid_m,
-    sorted_pairs_ptr,
-    block_experts_ptr,
-    num_blocks_ptr,
-    topk_ids_ptr,
-    num_pairs,
-    num_experts,
-    BLOCK_M: tl.constexpr,
-    DIRECT: tl.constexpr,
-):
+def _block_pairs(pid_m, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, topk_ids_ptr, num_pairs, num_experts,
+                 BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
     """(pairs, pair mask, expert, whether the block exists) of row block ``pid_m``.
 
     DIRECT (decode): block ``pid_m`` is pair ``pid_m`` alone, its expert read from ``topk_ids``, so no
@@ -180,15 +163,8 @@ def _block_pairs(
 
 
 @triton.jit
-def _activation_columns(
-    k0,
-    c: tl.constexpr,
-    offs_j,
-    perm_row_ptr,
-    HAS_PERM: tl.constexpr,
-    MMA_ORDER: tl.constexpr,
-    NIBBLE_MAJOR_X: tl.constexpr,
-):
+def _activation_columns(k0, c: tl.constexpr, offs_j, perm_row_ptr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
+                        NIBBLE_MAJOR_X: tl.constexpr):  # fmt: skip
     """The [16] activation columns dot ``c`` of the K step at ``k0`` multiplies.
 
     mma128: the contiguous inputs ``k0 + 16c + j``. gptq: inputs ``k0 + 8j + c`` (nibble ``c`` of each word),
@@ -208,18 +184,8 @@ def _activation_columns(
 
 
 @triton.jit
-def _step_quant(
-    scales_ptr,
-    zeros_ptr,
-    rows,
-    k0,
-    stride_s_g,
-    row_mask,
-    GROUP_LEN: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    SYM_ZERO: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-):
+def _step_quant(scales_ptr, zeros_ptr, rows, k0, stride_s_g, row_mask, GROUP_LEN: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
     """(scale, zero bias, odd-chunk zero bias ``64 + zero``) of the rows for the group holding K step ``k0``.
 
     ``GROUP_LEN`` is a compile-time constant: a division by a run-time group length cost ~25 instructions per step."""
@@ -233,29 +199,10 @@ def _step_quant(
 
 
 @triton.jit
-def _k_loop(
-    acc,
-    w_ptrs,
-    a_cols,
-    perm_row,
-    scales_e,
-    zeros_e,
-    rows,
-    row_mask,
-    pair_mask,
-    K,
-    stride_s_g,
-    GROUP_LEN: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    SYM_ZERO: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    SCALE_ACC: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    MMA_ORDER: tl.constexpr,
-    NIBBLE_MAJOR_X: tl.constexpr,
-    QUANT_AHEAD: tl.constexpr,
-    INLINE_PTX: tl.constexpr,
-):
+def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pair_mask, K, stride_s_g,
+            GROUP_LEN: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr,
+            SCALE_ACC: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr,
+            QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr):  # fmt: skip
     """acc [rows, BLOCK_M] += W[rows, :] @ A[:, pairs]: the K loop both GEMMs share.
 
     ``w_ptrs`` [rows, 8] (mma128: half a K step per load) or [rows, 16] (gptq) int32 words of the first step;
@@ -269,27 +216,15 @@ def _k_loop(
     """
     offs_j = tl.arange(0, 16)
     if QUANT_AHEAD:
-        scale, zero_f, zero_odd = _step_quant(
-            scales_e, zeros_e, rows, 0, stride_s_g, row_mask, GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE
-        )
+        scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, 0, stride_s_g, row_mask, GROUP_LEN, HAS_ZEROS,
+                                              SYM_ZERO, ACT_DTYPE)  # fmt: skip
     for k0 in range(0, K, 128):
         if QUANT_AHEAD:
-            next_quant = _step_quant(
-                scales_e,
-                zeros_e,
-                rows,
-                tl.minimum(k0 + 128, K - 128),
-                stride_s_g,
-                row_mask,
-                GROUP_LEN,
-                HAS_ZEROS,
-                SYM_ZERO,
-                ACT_DTYPE,
-            )
+            next_quant = _step_quant(scales_e, zeros_e, rows, tl.minimum(k0 + 128, K - 128), stride_s_g, row_mask,
+                                     GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE)  # fmt: skip
         else:
-            scale, zero_f, zero_odd = _step_quant(
-                scales_e, zeros_e, rows, k0, stride_s_g, row_mask, GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE
-            )
+            scale, zero_f, zero_odd = _step_quant(scales_e, zeros_e, rows, k0, stride_s_g, row_mask, GROUP_LEN,
+                                                  HAS_ZEROS, SYM_ZERO, ACT_DTYPE)  # fmt: skip
         part = tl.zeros(acc.shape, dtype=tl.float32) if SCALE_ACC else acc
         if MMA_ORDER:
             low = tl.load(w_ptrs, mask=row_mask[:, None], other=0)  # chunks 0..3
@@ -337,17 +272,8 @@ def _w13_weight_major_kernel(
     (one MMA chain per dot, not two); the epilogue splits the accumulator into its gate and up halves.
     """
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    pairs, pair_mask, expert, live = _block_pairs(
-        pid_m,
-        sorted_pairs_ptr,
-        block_experts_ptr,
-        num_blocks_ptr,
-        topk_ids_ptr,
-        num_pairs,
-        num_experts,
-        BLOCK_M,
-        DIRECT,
-    )
+    pairs, pair_mask, expert, live = _block_pairs(pid_m, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+                                                  topk_ids_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)  # fmt: skip
     if not live:
         return
     tokens = (pairs // TOP_K).to(tl.int64)
@@ -361,29 +287,10 @@ def _w13_weight_major_kernel(
     w_ptrs = qw_ptr + expert * stride_qw_e + rows[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
     acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
     x_cols = x_ptr + tokens[None, :] * stride_x
-    acc = _k_loop(
-        acc,
-        w_ptrs,
-        x_cols,
-        perm_ptr + expert * K,
-        scales_ptr + expert * stride_s_e,
-        zeros_ptr + expert * stride_s_e,
-        rows,
-        row_mask,
-        pair_mask,
-        K,
-        stride_s_g,
-        GROUP_LEN,
-        HAS_ZEROS,
-        SYM_ZERO,
-        ACT_DTYPE,
-        SCALE_ACC,
-        HAS_PERM,
-        MMA_ORDER,
-        NIBBLE_MAJOR_X,
-        QUANT_AHEAD,
-        INLINE_PTX,
-    )
+    acc = _k_loop(acc, w_ptrs, x_cols, perm_ptr + expert * K, scales_ptr + expert * stride_s_e,
+                  zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K, stride_s_g, GROUP_LEN, HAS_ZEROS,
+                  SYM_ZERO, ACT_DTYPE, SCALE_ACC, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X, QUANT_AHEAD,
+                  INLINE_PTX)  # fmt: skip
     # [2*BLOCK_N, BLOCK_M] -> [2, BLOCK_N, BLOCK_M] -> [BLOCK_N, BLOCK_M, 2] -> gate, up [BLOCK_N, BLOCK_M]
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -412,17 +319,8 @@ def _w2_weight_major_kernel(
 ):  # fmt: skip
     """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]; ``inter`` as the w13 kernel wrote it."""
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    pairs, pair_mask, expert, live = _block_pairs(
-        pid_m,
-        sorted_pairs_ptr,
-        block_experts_ptr,
-        num_blocks_ptr,
-        topk_ids_ptr,
-        num_pairs,
-        num_experts,
-        BLOCK_M,
-        DIRECT,
-    )
+    pairs, pair_mask, expert, live = _block_pairs(pid_m, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+                                                  topk_ids_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)  # fmt: skip
     if not live:
         return
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -431,29 +329,10 @@ def _w2_weight_major_kernel(
     offs_w = tl.arange(0, WORDS_PER_LOAD)
     w_ptrs = qw_ptr + expert * stride_qw_e + rows[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc = _k_loop(
-        acc,
-        w_ptrs,
-        inter_ptr + pairs[None, :].to(tl.int64) * stride_inter,
-        inter_ptr,
-        scales_ptr + expert * stride_s_e,
-        zeros_ptr + expert * stride_s_e,
-        rows,
-        row_mask,
-        pair_mask,
-        K,
-        stride_s_g,
-        GROUP_LEN,
-        HAS_ZEROS,
-        SYM_ZERO,
-        ACT_DTYPE,
-        SCALE_ACC,
-        False,
-        MMA_ORDER,
-        True,
-        QUANT_AHEAD,
-        INLINE_PTX,
-    )
+    acc = _k_loop(acc, w_ptrs, inter_ptr + pairs[None, :].to(tl.int64) * stride_inter, inter_ptr,
+                  scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K,
+                  stride_s_g, GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE, SCALE_ACC, False, MMA_ORDER, True,
+                  QUANT_AHEAD, INLINE_PTX)  # fmt: skip
     route_w = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)
     acc = acc * route_w[None, :]
     mask = row_mask[:, None] & pair_mask[None, :]
@@ -517,48 +396,16 @@ def run(
         # Inline PTX (one LOP3 per two weights) where the kernels are compiled for an NVIDIA GPU, not interpreted.
         INLINE_PTX=x.is_cuda and torch.version.hip is None,
     )
-    pairs = dict(**blocks, topk_ids_ptr=topk_ids, num_pairs=num_pairs, num_pid_m=num_pid_m)
-    pairs.update(num_experts=weights.num_experts)
-    w13 = projection_args(weights.w13_qweight, weights.w13_scales, weights.w13_zeros)
-    w2 = projection_args(weights.w2_qweight, weights.w2_scales, weights.w2_zeros)
-    launch_tiles(
-        _w13_weight_major_kernel,
-        num_pid_m,
-        n_inter,
-        meta,
-        x.device,
-        x_ptr=x_in,
-        perm_ptr=weights.w13_perm if has_perm else topk_ids,
-        inter_ptr=inter,
-        **w13,
-        **pairs,
-        N=n_inter,
-        K=h,
-        stride_x=x_in.stride(0),
-        stride_inter=inter.stride(0),
-        **stack,
-        GROUP_LEN=weights.group_len(h),
-        HAS_PERM=has_perm,
-        NIBBLE_MAJOR_X=nibble_major_x,
-        **switches,
+    shared = dict(**blocks, **stack, **switches, topk_ids_ptr=topk_ids, num_pairs=num_pairs, num_pid_m=num_pid_m)
+    shared.update(num_experts=weights.num_experts)
+    args13 = projection_args(weights.w13_qweight, weights.w13_scales, weights.w13_zeros)
+    args13.update(x_ptr=x_in, inter_ptr=inter, N=n_inter, K=h, stride_x=x_in.stride(0), stride_inter=inter.stride(0))
+    args13.update(perm_ptr=weights.w13_perm if has_perm else topk_ids, HAS_PERM=has_perm, NIBBLE_MAJOR_X=nibble_major_x)
+    args2 = projection_args(weights.w2_qweight, weights.w2_scales, weights.w2_zeros)
+    args2.update(
+        inter_ptr=inter, out_ptr=target, N=h, K=n_inter, stride_inter=inter.stride(0), stride_out=target.stride(0)
     )
-    launch_tiles(
-        _w2_weight_major_kernel,
-        num_pid_m,
-        h,
-        meta,
-        x.device,
-        inter_ptr=inter,
-        topk_weights_ptr=topk_weights,
-        out_ptr=target,
-        **w2,
-        **pairs,
-        N=h,
-        K=n_inter,
-        stride_inter=inter.stride(0),
-        stride_out=target.stride(0),
-        **stack,
-        GROUP_LEN=weights.group_len(n_inter),
-        ATOMIC=config.reduce == "atomic",
-        **switches,
-    )
+    args2.update(topk_weights_ptr=topk_weights, ATOMIC=config.reduce == "atomic")
+    w13_kernel, w2_kernel = _w13_weight_major_kernel, _w2_weight_major_kernel
+    launch_tiles(w13_kernel, num_pid_m, n_inter, meta, x.device, **args13, **shared, GROUP_LEN=weights.group_len(h))
+    launch_tiles(w2_kernel, num_pid_m, h, meta, x.device, **args2, **shared, GROUP_LEN=weights.group_len(n_inter))

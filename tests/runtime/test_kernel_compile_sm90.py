@@ -90,17 +90,8 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
     if cfg.kernels is Kernels.WEIGHT_MAJOR:
         direct = cfg.direct
         wm = {k: v for k, v in common.items() if k not in ("BITS", "EVEN_K")}
-        wm.update(
-            SCALE_ACC=cfg.scale_acc,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            GROUP_M=cfg.group_m,
-            DIRECT=direct,
-            MMA_ORDER=mma_order,
-            GROUP_LEN=128,
-            INLINE_PTX=True,
-            QUANT_AHEAD=cfg.quant_ahead,
-        )
+        wm.update(SCALE_ACC=cfg.scale_acc, DIRECT=direct, QUANT_AHEAD=cfg.quant_ahead, MMA_ORDER=mma_order)
+        wm.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, GROUP_LEN=128, INLINE_PTX=True)
         flags13 = {**wm, "HAS_PERM": asym, "NIBBLE_MAJOR_X": not (asym or direct or mma_order)}
         w13 = _compile(_w13_weight_major_kernel, types, flags13, *launch)
         w2 = _compile(_w2_weight_major_kernel, types2, {**wm, "ATOMIC": atomic}, *launch)
