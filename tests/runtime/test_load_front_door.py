@@ -18,7 +18,7 @@ from repack.formats.checkpoint import CONVERSION_ID_KEY, CheckpointReader
 from repack.formats.errors import RepackError
 from repack.formats.stacks import MANIFEST_FILE
 from repack.runtime import load
-from repack.runtime.loader import read_shard_bytes, read_shard_layout
+from repack.runtime.loader import read_shard_bytes, shard_regions
 from tests.support.fixtures import FIXTURES_DIR
 from tests.support.hub import make_cache, offline_env
 
@@ -61,12 +61,11 @@ def test_a_mix_of_two_conversions_is_refused(out, tmp_path):
 
 def test_a_shard_replaced_after_its_header_was_read_is_refused(out, tmp_path):
     folder = shutil.copytree(out, tmp_path / "copy")
-    shard = shards(folder)[0]
-    layout = read_shard_layout(shard)
-    shutil.copy(shard, tmp_path / "new")
-    os.replace(tmp_path / "new", shard)  # what a --force swap does to a path being read
+    region = shard_regions(CheckpointReader(folder))[0]  # the header is read here
+    shutil.copy(region.path, tmp_path / "new")
+    os.replace(tmp_path / "new", region.path)  # what a --force swap does to a path being read
     with pytest.raises(RepackError, match="replaced while loading"):
-        read_shard_bytes(layout, torch.device("cpu"), None)
+        read_shard_bytes(region, torch.device("cpu"), None)
 
 
 @pytest.mark.parametrize("edit", ["tensor byte", "config"])
