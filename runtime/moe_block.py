@@ -16,7 +16,7 @@ experts' rows, fit chunks that every token takes poorly (measured: benchmarks/KE
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +50,16 @@ def block_prefix(routed_prefix: str) -> str:
 
 
 class MoeBlock(nn.Module):
-    """Router + routed experts + optional shared expert: ``[..., H] -> [..., H]`` in fp16 or bf16."""
+    """Router + routed experts + optional shared expert: ``[..., H] -> [..., H]`` in fp16 or bf16.
+
+    ``router_weight`` None builds a block whose caller routes (vLLM computes the top-k and calls
+    :meth:`apply_experts`, or hands logits to :meth:`route_logits`).
+    """
 
     def __init__(
         self,
         routed: MoeWeights,
-        router_weight: torch.Tensor,
+        router_weight: torch.Tensor | None,
         spec: RouterSpec,
         *,
         shared: MoeWeights | None = None,
@@ -65,7 +69,7 @@ class MoeBlock(nn.Module):
         shared_mode: str | None = None,
     ) -> None:
         super().__init__()
-        if router_weight.shape != (routed.num_experts, routed.hidden_size):
+        if router_weight is not None and router_weight.shape != (routed.num_experts, routed.hidden_size):
             raise RepackError(
                 f"{name}.gate.weight: shape {list(router_weight.shape)} does not match the expert stack "
                 f"[{routed.num_experts}, {routed.hidden_size}]; re-run `repack convert`"
@@ -76,6 +80,9 @@ class MoeBlock(nn.Module):
         self.name = name
         self.router_weight = router_weight
         self.shared_gate_weight = shared_gate_weight
+        # Or the gate as a function x -> [M, 1] logits, for a serving stack whose gate layer keeps its weight in a
+        # layout of its own (vLLM's CPU linears repack theirs).
+        self.shared_gate: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.correction_bias = correction_bias
         self.shared_mode = resolve_shared_mode(shared_mode)
         # Routed experts then shared chunks as one stack (views), when asked for and the storage allows it.
@@ -133,21 +140,30 @@ class MoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights float32 [M, k], topk_ids int32 [M, k]) for tokens ``x`` [M, H]."""
+        if self.router_weight is None:
+            raise RepackError(f"{self.name}: built without a router weight; route outside and call apply_experts")
+        if self.spec.method == SOFTMAX_TOPK:
+            return self.route_logits(F.linear(x, self._as("gate", self.router_weight, x.dtype)))
+        return self.route_logits(F.linear(x.float(), self._as("gate", self.router_weight, torch.float32)))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's top-k from router logits [M, E] (a serving stack that computed the logits itself)."""
         if self.spec.method == SOFTMAX_TOPK:
             from repack.runtime.kernels.routing import route
 
-            logits = F.linear(x, self._as("gate", self.router_weight, x.dtype))
             return route(logits, self.spec.top_k, self.spec.renormalize)
-        logits = F.linear(x.float(), self._as("gate", self.router_weight, torch.float32))
-        weights, ids = route_reference(logits, self.spec, self.correction_bias)
+        weights, ids = route_reference(logits.float(), self.spec, self.correction_bias)
         return weights.contiguous(), ids.to(torch.int32).contiguous()
 
     def shared_weights(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [M, C]: every token's weight on each of the shared expert's C chunks."""
         chunks = self.shared.num_experts
-        if self.shared_gate_weight is None:
+        if self.shared_gate is not None:
+            gate = self.shared_gate(x)
+        elif self.shared_gate_weight is not None:
+            gate = F.linear(x, self._as("shared_gate", self.shared_gate_weight, x.dtype))
+        else:
             return torch.ones(x.shape[0], chunks, dtype=torch.float32, device=x.device)
-        gate = F.linear(x, self._as("shared_gate", self.shared_gate_weight, x.dtype))
         return torch.sigmoid(gate.float()).expand(-1, chunks).contiguous()
 
     def shared_ids(self, tokens: int, first: int, device: torch.device) -> torch.Tensor:
@@ -185,14 +201,22 @@ class MoeBlock(nn.Module):
         """[M, H]: the routed experts' weighted sum plus the shared expert for tokens ``x`` [M, H] routed to
         ``topk_ids``, in one fused_moe call (joined) or two (separate). What ``forward`` runs after the router;
         benchmarks/bench_moe.py times it from precomputed routing."""
+        routed, shared = self.apply_parts(x, topk_weights, topk_ids)
+        return routed if shared is None else routed + shared
+
+    def apply_parts(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(experts [M, H], shared expert [M, H] or None): a joined call returns both in the first, a separate
+        one the shared call's output apart (a serving stack that adds the shared expert itself takes it so)."""
         from repack.runtime.fused_moe import fused_moe
 
         if self.joined is not None and (self.shared_mode == JOINED or x.shape[0] <= JOINED_MAX_TOKENS):
-            return fused_moe(x, self.joined, *self.with_shared_chunks(x, topk_ids, topk_weights))
+            return fused_moe(x, self.joined, *self.with_shared_chunks(x, topk_ids, topk_weights)), None
         out = fused_moe(x, self.routed, topk_ids, topk_weights)
-        if self.shared is not None:
-            out = out + fused_moe(x, self.shared, self.shared_ids(x.shape[0], 0, x.device), self.shared_weights(x))
-        return out
+        if self.shared is None:
+            return out, None
+        return out, fused_moe(x, self.shared, self.shared_ids(x.shape[0], 0, x.device), self.shared_weights(x))
 
     def extra_repr(self) -> str:
         shared = ""

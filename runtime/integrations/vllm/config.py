@@ -1,0 +1,171 @@
+"""``quant_method: "repack"`` as a vLLM quantization config: which method each layer of the model gets.
+
+- A MoE experts layer (``RoutedExperts``) of a block with stacks: :class:`~.moe.RepackMoEMethod`.
+- The linears of a shared expert the converter stacked: no weights of their own (the stack runs with the
+  experts, moe.py), :class:`StackedSharedLinearMethod`.
+- A linear the checkpoint stores in GPTQ (a ``.qweight`` in the shards; q/k/v and gate/up that vLLM merges are
+  looked up per source linear): vLLM's GPTQ method or ours (linear.py).
+- Anything else is float: vLLM's unquantized method.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from repack.formats.constants import FORMAT_NAME, QUANT_METHOD, ROUTED, SHARED, SUPPORTED_FORMAT_VERSIONS
+from repack.formats.errors import RepackError
+from repack.formats.quant_config import QuantConfig, parse_quant_config
+from repack.formats.stacks import StackInfo
+from repack.runtime.integrations.vllm import check_vllm_version
+from repack.runtime.integrations.vllm.linear import RepackGptqLinearMethod, vllm_gptq_method
+from repack.runtime.integrations.vllm.moe import RepackMoEMethod, stack_weight_mapper
+from repack.runtime.routers import router_spec
+
+WHERE = "config.json quantization_config"
+SHARED_EXPERT_MODULES = ("shared_expert", "shared_experts")  # Qwen2-MoE, DeepSeek
+
+
+class StackedSharedLinearMethod(LinearMethodBase):
+    """A linear of a shared expert that the converter stacked: no weights here, never run by vLLM.
+
+    The experts method claims the shared expert (``mk_can_overlap_shared_experts``), so vLLM's runner never
+    calls the module these linears belong to."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs) -> None:  # fmt: skip
+        return None
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise RepackError(f"{self.name}: the stacked shared expert runs with the experts; this linear has no weights")
+
+
+class RepackVllmConfig(QuantizationConfig):
+    """The converted checkpoint's ``quantization_config`` (formats/SPEC.md section 4), kept as read."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        super().__init__()
+        self.fields = fields
+        try:
+            self.stacks = [StackInfo.from_json(stack) for stack in fields.get("stacks", [])]
+        except TypeError as error:
+            raise RepackError(f"{WHERE}.stacks: malformed stack entry ({error}); re-run `repack convert`") from None
+        self.blocks: dict[str, dict[str, StackInfo]] = {}
+        for info in self.stacks:
+            self.blocks.setdefault(info.prefix.rpartition(".")[0], {})[info.kind] = info
+        self.source: QuantConfig = parse_quant_config(
+            fields.get("source_quantization_config"), f"{WHERE}.source_quantization_config"
+        )
+        self.gptq_modules: set[str] = set()  # source linears stored in GPTQ; read from the shards' headers
+        self.vllm_gptq_modules: set[str] = set()  # those that vLLM's own GPTQ method runs (it has no g_idx)
+
+    # ------------------------------------------------------------------------------------ vLLM's questions
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # the Triton kernels use tensor-core dots of Ampere and later
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # everything is in config.json
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> RepackVllmConfig:
+        check_vllm_version()
+        if config.get("format") != FORMAT_NAME:
+            raise RepackError(
+                f"{WHERE}: format {config.get('format')!r} is not {FORMAT_NAME!r}; convert the source with "
+                "`repack convert`"
+            )
+        if config.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
+            raise RepackError(
+                f"{WHERE}: {FORMAT_NAME} format_version {config.get('format_version')!r} is not supported by this "
+                f"reader (knows {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade moe-repack or re-convert"
+            )
+        return cls(config)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        """Which source linears the shards store in GPTQ (a ``.qweight``), from the safetensors headers only."""
+        from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+        stacked = {info.prefix for info in self.stacks}
+        names = get_safetensors_params_metadata(model_name, revision=revision)
+        self.gptq_modules = {
+            name.removesuffix(".qweight")
+            for name in names
+            if name.endswith(".qweight") and name.rpartition(".")[0] not in stacked
+        }
+
+    def get_checkpoint_weight_mapper(self):
+        """Our stack tensors to the names that reach the experts' parameters whole (moe.stack_weight_mapper).
+
+        Unlike vLLM's default, ``g_idx`` is dropped only for the linears vLLM's GPTQ method runs (it has no such
+        parameter): ours reads act-order from it. Called after the model is built, so every method is chosen."""
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        mapper = stack_weight_mapper()
+        if self.vllm_gptq_modules:
+            import regex as re
+
+            names = "|".join(re.escape(name) for name in sorted(self.vllm_gptq_modules))
+            mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(rf"^(?:{names})\.g_idx$"): None})
+        return mapper
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            return self._experts_method(layer, prefix)
+        if isinstance(layer, LinearBase):
+            return self._linear_method(layer, prefix)
+        return None
+
+    # ------------------------------------------------------------------------------------------- methods
+
+    def _experts_method(self, layer: RoutedExperts, prefix: str) -> RepackMoEMethod:
+        stacks = self.blocks.get(prefix.removesuffix(".experts"), {})
+        if ROUTED not in stacks:
+            raise RepackError(
+                f"{WHERE}: vLLM's MoE layer {prefix} has no stack in the checkpoint (stacks: "
+                f"{', '.join(sorted(self.blocks)) or 'none'}); re-run `repack convert` for this model"
+            )
+        from vllm.config import get_current_vllm_config
+
+        text_config = get_current_vllm_config().model_config.hf_text_config.to_dict()
+        return RepackMoEMethod(layer.moe_config, stacks[ROUTED], stacks.get(SHARED), router_spec(text_config))
+
+    def _linear_method(self, layer: LinearBase, prefix: str) -> LinearMethodBase:
+        block, _, rest = prefix.rpartition(".")
+        owner = block.rpartition(".")[0]
+        if block.rpartition(".")[2] in SHARED_EXPERT_MODULES and SHARED in self.blocks.get(owner, {}):
+            return StackedSharedLinearMethod(prefix)
+        sources = [f"{block}.{name}" for name in self.packed_modules_mapping.get(rest, [rest])]
+        stored = [source in self.gptq_modules for source in sources]
+        if not any(stored):
+            return UnquantizedLinearMethod()
+        if not all(stored):
+            raise RepackError(
+                f"{WHERE}: vLLM merges {', '.join(sources)} into {prefix}, but only some are GPTQ in the shards"
+            )
+        schemes = {self.source.scheme_for(source) or self.source.base for source in sources}
+        if len(schemes) != 1:
+            raise RepackError(f"{WHERE}: {', '.join(sources)} (merged into {prefix}) have different GPTQ schemes")
+        scheme = schemes.pop()
+        method = vllm_gptq_method(scheme, act_order=bool(self.source.raw.get("desc_act")))
+        if method is None:
+            return RepackGptqLinearMethod(scheme, prefix)
+        self.vllm_gptq_modules.update(sources)
+        return method

@@ -1,0 +1,119 @@
+"""The copied-through GPTQ linears (attention, dense MLPs) under vLLM: vLLM's own GPTQ method, else ours.
+
+The converter copies these linears byte for byte (formats/SPEC.md section 4), so any GPTQ kernel serves them.
+Where vLLM's ``AutoGPTQLinearMethod`` takes the scheme on this platform (Marlin on CUDA, its W4A16 kernel on
+CPU: 4/8-bit symmetric, no act-order) it runs them; everything else (asymmetric, act-order ``g_idx``, a
+platform without a vLLM kernel) runs :func:`repack.runtime.kernels.gptq_linear.gptq_linear` on the stored
+tensors. vLLM merges q/k/v and gate/up into one layer; its parameter classes place each source linear's
+tensors at that shard's columns, exactly as for vLLM's own GPTQ method, and the merged linear is one GPTQ
+linear over the concatenated output columns.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+
+from repack.formats.errors import RepackError
+from repack.formats.gptq import GptqLinear, GptqScheme
+from repack.runtime.kernels.gptq_linear import gptq_linear, is_trivial_g_idx
+
+
+def vllm_gptq_method(scheme: GptqScheme, act_order: bool) -> LinearMethodBase | None:
+    """vLLM's GPTQ linear method for ``scheme`` when this platform has a kernel for it, else None."""
+    if act_order or not scheme.sym or scheme.bits not in (4, 8):
+        return None  # vLLM's method drops g_idx and reads zero points only for symmetric types
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig, AutoGPTQLinearMethod
+
+    config = AutoGPTQConfig.from_config(
+        {"bits": scheme.bits, "group_size": scheme.group_size, "desc_act": False, "sym": True}
+    )
+    try:
+        return AutoGPTQLinearMethod(config)
+    except (ValueError, NotImplementedError):  # no kernel for this scheme on this platform
+        return None
+
+
+@register_weight_loader_v2_supported_method
+class RepackGptqLinearMethod(LinearMethodBase):
+    """A GPTQ linear as stored (``qweight``, ``qzeros``, ``scales``, ``g_idx``), run by our Triton kernel."""
+
+    def __init__(self, scheme: GptqScheme, name: str) -> None:
+        self.scheme = scheme
+        self.name = name
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        out_features = sum(output_partition_sizes)
+        if input_size_per_partition != input_size or out_features != output_size:
+            raise RepackError(
+                f"{self.name}: tensor parallelism is not supported by the repack plugin; serve with "
+                "--tensor-parallel-size 1"
+            )
+        pack = 32 // self.scheme.bits
+        groups = self.scheme.groups(input_size)
+        weight_loader = extra_weight_attrs["weight_loader"]
+        qweight = PackedvLLMParameter(
+            data=torch.empty(input_size // pack, out_features, dtype=torch.int32),
+            input_dim=0,
+            output_dim=1,
+            packed_dim=0,
+            packed_factor=pack,
+            weight_loader=weight_loader,
+        )
+        qzeros = PackedvLLMParameter(
+            data=torch.empty(groups, out_features // pack, dtype=torch.int32),
+            input_dim=0,
+            output_dim=1,
+            packed_dim=1,
+            packed_factor=pack,
+            weight_loader=weight_loader,
+        )
+        # Scales keep the stored float16 (as transformers' path does): the kernel rounds with them as stored.
+        scales = GroupQuantScaleParameter(
+            data=torch.empty(groups, out_features, dtype=torch.float16),
+            input_dim=0,
+            output_dim=1,
+            weight_loader=weight_loader,
+        )
+        g_idx = nn.Parameter(torch.empty(input_size, dtype=torch.int32), requires_grad=False)
+        g_idx.weight_loader = self.load_g_idx  # type: ignore[attr-defined]
+        layer.register_parameter("qweight", qweight)
+        layer.register_parameter("qzeros", qzeros)
+        layer.register_parameter("scales", scales)
+        layer.register_parameter("g_idx", g_idx)
+
+    def load_g_idx(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """Every shard of a merged linear reads the one input, so their g_idx must agree; the first one is kept."""
+        if tuple(loaded_weight.shape) != tuple(param.shape):
+            raise RepackError(
+                f"{self.name}.g_idx: shape {list(loaded_weight.shape)} != {list(param.shape)}; re-run `repack convert`"
+            )
+        if getattr(param, "repack_loaded", False):
+            if not torch.equal(param.data, loaded_weight.to(param.device, torch.int32)):
+                raise RepackError(
+                    f"{self.name}: the merged shards have different act-order g_idx (shard {shard_id}); "
+                    "the repack vLLM plugin runs a merged linear with one g_idx"
+                )
+            return
+        param.data.copy_(loaded_weight)
+        param.repack_loaded = True  # type: ignore[attr-defined]
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        in_features = layer.qweight.shape[0] * (32 // self.scheme.bits)
+        layer.repack_act_order = not is_trivial_g_idx(layer.g_idx, in_features, self.scheme)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The bias goes into the kernel (added in fp32 before the one rounding), as in transformers' path."""
+        linear = GptqLinear(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, bias)
+        return gptq_linear(x, linear, self.scheme, gather_groups=layer.repack_act_order, name=self.name)
