@@ -28,6 +28,8 @@ from repack.runtime.routers import router_spec
 
 WHERE = "config.json quantization_config"
 SHARED_EXPERT_MODULES = ("shared_expert", "shared_experts")  # Qwen2-MoE, DeepSeek
+# vLLM's Mixtral names its MoE block ``block_sparse_moe`` (the older checkpoints' name); transformers 5 saves ``mlp``.
+MIXTRAL_BLOCK = (".mlp.", ".block_sparse_moe.")
 
 
 class StackedSharedLinearMethod(LinearMethodBase):
@@ -65,6 +67,7 @@ class RepackVllmConfig(QuantizationConfig):
         )
         self.gptq_modules: set[str] = set()  # source linears stored in GPTQ; read from the shards' headers
         self.vllm_gptq_modules: set[str] = set()  # those that vLLM's own GPTQ method runs (it has no g_idx)
+        self.model_type: str | None = None
 
     # ------------------------------------------------------------------------------------ vLLM's questions
 
@@ -103,6 +106,8 @@ class RepackVllmConfig(QuantizationConfig):
         """Which source linears the shards store in GPTQ (a ``.qweight``), from the safetensors headers only."""
         from vllm.transformers_utils.config import get_safetensors_params_metadata
 
+        if hf_config is not None:
+            self.model_type = hf_config.get_text_config().model_type
         stacked = {info.prefix for info in self.stacks}
         names = get_safetensors_params_metadata(model_name, revision=revision)
         self.gptq_modules = {
@@ -116,12 +121,15 @@ class RepackVllmConfig(QuantizationConfig):
 
         Unlike vLLM's default, ``g_idx`` is dropped only for the linears vLLM's GPTQ method runs (it has no such
         parameter): ours reads act-order from it. Called after the model is built, so every method is chosen."""
+        import regex as re
         from vllm.model_executor.models.utils import WeightsMapper
 
         mapper = stack_weight_mapper()
+        if self.model_type == "mixtral":
+            old, new = MIXTRAL_BLOCK
+            block = re.compile(rf"(\.layers\.\d+){re.escape(old)}")
+            mapper = mapper | WeightsMapper(orig_to_new_regex={block: rf"\1{new}"})
         if self.vllm_gptq_modules:
-            import regex as re
-
             names = "|".join(re.escape(name) for name in sorted(self.vllm_gptq_modules))
             mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(rf"^(?:{names})\.g_idx$"): None})
         return mapper
@@ -136,7 +144,9 @@ class RepackVllmConfig(QuantizationConfig):
     # ------------------------------------------------------------------------------------------- methods
 
     def _experts_method(self, layer: RoutedExperts, prefix: str) -> RepackMoEMethod:
-        stacks = self.blocks.get(prefix.removesuffix(".experts"), {})
+        block = prefix.removesuffix(".experts")
+        old, new = MIXTRAL_BLOCK
+        stacks = self.blocks.get(block) or self.blocks.get(f"{block}.".replace(new, old)[:-1], {})
         if ROUTED not in stacks:
             raise RepackError(
                 f"{WHERE}: vLLM's MoE layer {prefix} has no stack in the checkpoint (stacks: "
