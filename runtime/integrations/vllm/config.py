@@ -22,7 +22,7 @@ from repack.formats.errors import RepackError
 from repack.formats.quant_config import QuantConfig, parse_quant_config
 from repack.formats.stacks import StackInfo
 from repack.runtime.integrations.vllm import check_vllm_version
-from repack.runtime.integrations.vllm.linear import RepackGptqLinearMethod, vllm_gptq_method
+from repack.runtime.integrations.vllm.linear import GptqLinearMethod
 from repack.runtime.integrations.vllm.moe import RepackMoEMethod, stack_weight_mapper
 from repack.runtime.routers import router_spec
 
@@ -66,7 +66,7 @@ class RepackVllmConfig(QuantizationConfig):
             fields.get("source_quantization_config"), f"{WHERE}.source_quantization_config"
         )
         self.gptq_modules: set[str] = set()  # source linears stored in GPTQ; read from the shards' headers
-        self.vllm_gptq_modules: set[str] = set()  # those that vLLM's own GPTQ method runs (it has no g_idx)
+        self.gptq_methods: list[tuple[list[str], GptqLinearMethod]] = []  # (source linears, their method)
         self.model_type: str | None = None
 
     # ------------------------------------------------------------------------------------ vLLM's questions
@@ -129,8 +129,9 @@ class RepackVllmConfig(QuantizationConfig):
             old, new = MIXTRAL_BLOCK
             block = re.compile(rf"(\.layers\.\d+){re.escape(old)}")
             mapper = mapper | WeightsMapper(orig_to_new_regex={block: rf"\1{new}"})
-        if self.vllm_gptq_modules:
-            names = "|".join(re.escape(name) for name in sorted(self.vllm_gptq_modules))
+        vllm_gptq = sorted(name for sources, method in self.gptq_methods if method.uses_vllm for name in sources)
+        if vllm_gptq:
+            names = "|".join(re.escape(name) for name in vllm_gptq)
             mapper = mapper | WeightsMapper(orig_to_new_regex={re.compile(rf"^(?:{names})\.g_idx$"): None})
         return mapper
 
@@ -173,9 +174,6 @@ class RepackVllmConfig(QuantizationConfig):
         schemes = {self.source.scheme_for(source) or self.source.base for source in sources}
         if len(schemes) != 1:
             raise RepackError(f"{WHERE}: {', '.join(sources)} (merged into {prefix}) have different GPTQ schemes")
-        scheme = schemes.pop()
-        method = vllm_gptq_method(scheme, act_order=bool(self.source.raw.get("desc_act")))
-        if method is None:
-            return RepackGptqLinearMethod(scheme, prefix)
-        self.vllm_gptq_modules.update(sources)
+        method = GptqLinearMethod(schemes.pop(), prefix, act_order=bool(self.source.raw.get("desc_act")))
+        self.gptq_methods.append((sources, method))
         return method

@@ -37,6 +37,36 @@ def vllm_gptq_method(scheme: GptqScheme, act_order: bool) -> LinearMethodBase | 
 
 
 @register_weight_loader_v2_supported_method
+class GptqLinearMethod(LinearMethodBase):
+    """vLLM's GPTQ method where it takes the scheme and the layer's shape, else :class:`RepackGptqLinearMethod`.
+
+    vLLM picks its kernel only when the layer's weights are created (its kernels have shape limits), so the
+    choice is made there; ``uses_vllm`` tells the config which linears keep no ``g_idx``."""
+
+    def __init__(self, scheme: GptqScheme, name: str, act_order: bool) -> None:
+        self.scheme = scheme
+        self.name = name
+        self.inner: LinearMethodBase | None = vllm_gptq_method(scheme, act_order)
+        self.uses_vllm = self.inner is not None
+
+    def create_weights(self, layer: nn.Module, *args, **kwargs) -> None:
+        if self.inner is not None:
+            try:
+                self.inner.create_weights(layer, *args, **kwargs)
+                return
+            except ValueError:  # "Failed to find a kernel that can implement the WNA16 linear layer"
+                pass
+        self.inner = RepackGptqLinearMethod(self.scheme, self.name)
+        self.uses_vllm = False
+        self.inner.create_weights(layer, *args, **kwargs)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.apply(layer, x, bias)
+
+
 class RepackGptqLinearMethod(LinearMethodBase):
     """A GPTQ linear as stored (``qweight``, ``qzeros``, ``scales``, ``g_idx``), run by our Triton kernel."""
 

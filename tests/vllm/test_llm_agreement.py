@@ -1,0 +1,78 @@
+"""vLLM's ``LLM`` on a converted checkpoint generates what ``load_hf_model`` generates on the same checkpoint.
+
+Both run the repack kernels (Triton interpreter): vLLM through the plugin (stacked experts loaded whole, vLLM's
+top-k, vLLM's attention and GPTQ linears where it has them), transformers through the runtime's drop-in. Greedy
+tokens must be equal and the raw logits of every generated position agree within the bar every door into
+the runtime meets (tests/support/fixtures.py: relative error <= 1e-2).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.fixtures import FIXTURE_NAMES, FIXTURES_DIR
+
+GENERATE = FIXTURES_DIR.parent / "support" / "vllm_generate.py"
+NEW_TOKENS = 4
+PROMPT_TOKENS = 8
+RELATIVE_TOLERANCE = 1e-2
+VLLM_TIMEOUT_S = 600
+
+CASES = [
+    *((name, "float16") for name in FIXTURE_NAMES),
+    ("mixtral", "float16"),
+    ("qwen2moe-joined-actorder", "float16"),
+    ("qwen2moe-g128-sym", "bfloat16"),
+]
+
+
+def prompt_ids(name: str) -> list[int]:
+    """The fixture's own reference input (its first row), else the first token ids."""
+    reference = FIXTURES_DIR / name / "reference.safetensors"
+    if reference.is_file():
+        return load_file(reference)["input_ids"][0, :PROMPT_TOKENS].tolist()
+    return list(range(1, PROMPT_TOKENS + 1))
+
+
+def vllm_generate(checkpoint, dtype: str, prompt: list[int], tmp_path) -> dict:
+    out = tmp_path / "vllm.json"
+    command = [sys.executable, str(GENERATE), str(checkpoint), dtype, ",".join(map(str, prompt)), str(NEW_TOKENS)]
+    done = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def hf_generate(checkpoint, dtype: torch.dtype, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    from repack.runtime import load_hf_model
+
+    model = load_hf_model(checkpoint, device="cpu", dtype=dtype)
+    model.generation_config.eos_token_id = None  # as vLLM's ignore_eos: exactly NEW_TOKENS tokens
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dtype"), CASES, ids=[f"{name}-{dtype}" for name, dtype in CASES])
+def test_llm_matches_load_hf_model(converted, name, dtype, tmp_path):
+    checkpoint = converted(name)
+    prompt = prompt_ids(name)
+    result = vllm_generate(checkpoint, dtype, prompt, tmp_path)
+    tokens, logits = hf_generate(checkpoint, getattr(torch, dtype), prompt)
+    vllm_logits = torch.tensor(result["logits"])
+    relative = float((vllm_logits - logits).abs().max() / logits.abs().max())
+    print(f"{name} {dtype}: vLLM {result['tokens']} transformers {tokens} max relative logit error {relative:.2e}")
+    assert result["tokens"] == tokens
+    assert relative <= RELATIVE_TOLERANCE, f"relative logit error {relative:.2e}"
