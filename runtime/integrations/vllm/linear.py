@@ -49,16 +49,19 @@ class GptqLinearMethod(LinearMethodBase):
         self.inner: LinearMethodBase | None = vllm_gptq_method(scheme, act_order)
         self.uses_vllm = self.inner is not None
 
-    def create_weights(self, layer: nn.Module, *args, **kwargs) -> None:
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, *args, **kwargs) -> None:
+        group = self.scheme.group_size
+        if group != -1 and input_size_per_partition % group:
+            self.inner = None  # vLLM's method sizes scales as K // group: a last partial group (or K < group) is lost
         if self.inner is not None:
             try:
-                self.inner.create_weights(layer, *args, **kwargs)
+                self.inner.create_weights(layer, input_size_per_partition, *args, **kwargs)
                 return
             except ValueError:  # "Failed to find a kernel that can implement the WNA16 linear layer"
                 pass
         self.inner = RepackGptqLinearMethod(self.scheme, self.name)
         self.uses_vllm = False
-        self.inner.create_weights(layer, *args, **kwargs)
+        self.inner.create_weights(layer, input_size_per_partition, *args, **kwargs)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.inner.process_weights_after_loading(layer)
