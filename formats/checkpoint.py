@@ -828,21 +828,24 @@ def check_one_conversion(folder: Path, config: dict, reader: CheckpointReader) -
 def read_repack_config(folder: str | Path) -> tuple[dict, list[StackInfo]]:
     """config.json of a repack-moe checkpoint and its stacks; refuses other formats and unknown versions."""
     config = read_config(folder)
-    path = Path(folder) / CONFIG_FILE
-    quant = config.get("quantization_config") or {}
+    return config, parse_repack_quant_config(config.get("quantization_config") or {}, str(Path(folder) / CONFIG_FILE))
+
+
+def parse_repack_quant_config(quant: dict, where: str) -> list[StackInfo]:
+    """The stacks of a ``quantization_config`` dict (formats/SPEC.md section 4); refuses other formats and unknown
+    versions with one line naming ``where``. Shared by every reader (the loader, the vLLM plugin)."""
     if quant.get("quant_method") != QUANT_METHOD or quant.get("format") != FORMAT_NAME:
         raise RepackError(
-            f"{path}: not a {FORMAT_NAME} checkpoint (quant_method {quant.get('quant_method')!r}); "
+            f"{where}: not a {FORMAT_NAME} checkpoint (quant_method {quant.get('quant_method')!r}); "
             "convert it first with `repack convert`"
         )
     version = quant.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS:
         raise RepackError(
-            f"{path}: {FORMAT_NAME} format_version {version!r} is not supported by this reader (knows "
+            f"{where}: {FORMAT_NAME} format_version {version!r} is not supported by this reader (knows "
             f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade moe-repack or re-convert the source"
         )
     try:
-        stacks = [StackInfo.from_json(stack) for stack in quant.get("stacks", [])]
+        return [StackInfo.from_json(stack) for stack in quant.get("stacks", [])]
     except (TypeError, ValueError) as error:  # unknown or missing keys, impossible values (StackInfoError)
-        raise RepackError(f"{path}: malformed stack entry in quantization_config.stacks ({error})") from None
-    return config, stacks
+        raise RepackError(f"{where}: malformed stack entry in quantization_config.stacks ({error})") from None

@@ -32,6 +32,19 @@ def test_wheel_holds_namespaced_packages_only(wheel):
     assert tops == {"repack"}
     for expected in ("repack/cli.py", "repack/runtime/__init__.py", "repack/formats/SPEC.md", "repack/formats/gptq.py"):
         assert expected in names
+    assert "repack/runtime/integrations/vllm/moe.py" in names
+
+
+def test_wheel_declares_the_vllm_plugin(wheel):
+    """vLLM finds the plugin through this entry point in every process (`vllm serve out/` needs no flag)."""
+    archive = zipfile.ZipFile(wheel)
+    (entry_points,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    text = archive.read(entry_points).decode()
+    assert "[vllm.general_plugins]\nrepack = repack.runtime.integrations.vllm:register" in text
+
+
+def test_wheel_ships_the_tuned_configs(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
     shipped = sorted(n for n in names if n.startswith("repack/runtime/configs/") and n.endswith(".json"))
     in_repo = sorted(f"repack/runtime/configs/{p.name}" for p in (REPO / "runtime" / "configs").glob("*.json"))
     assert shipped == in_repo and shipped, "tuned kernel configs missing from the wheel"

@@ -9,6 +9,7 @@ the runtime meets (tests/support/fixtures.py: relative error <= 1e-2), in float1
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -24,10 +25,13 @@ PROMPT_TOKENS = 8
 RELATIVE_TOLERANCE = 1e-2
 VLLM_TIMEOUT_S = 600
 
-CASES = [  # every family vLLM runs here, both activation dtypes (bfloat16 on the joined shared expert)
-    *((name, "float16") for name in FIXTURE_NAMES),
-    ("mixtral", "float16"),
-    ("qwen2moe-joined-actorder", "bfloat16"),
+# (checkpoint, dtype, routing): every family vLLM runs here, both activation dtypes (bfloat16 on the joined shared
+# expert), and both of vLLM's calls into the experts: its own top-k in ("vllm"), router logits in ("repack").
+CASES = [
+    *((name, "float16", "vllm") for name in FIXTURE_NAMES),
+    ("mixtral", "float16", "vllm"),
+    ("qwen2moe-joined-actorder", "bfloat16", "vllm"),
+    ("qwen3moe-g128-sym", "float16", "repack"),
 ]
 
 
@@ -39,10 +43,11 @@ def prompt_ids(name: str) -> list[int]:
     return list(range(1, PROMPT_TOKENS + 1))
 
 
-def vllm_generate(checkpoint, dtype: str, prompt: list[int], tmp_path) -> dict:
+def vllm_generate(checkpoint, dtype: str, routing: str, prompt: list[int], tmp_path) -> dict:
     out = tmp_path / "vllm.json"
     command = [sys.executable, str(GENERATE), str(checkpoint), dtype, ",".join(map(str, prompt)), str(NEW_TOKENS)]
-    done = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
+    env = {**os.environ, "REPACK_VLLM_ROUTING": routing}
+    done = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=VLLM_TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -64,14 +69,14 @@ def hf_generate(checkpoint, dtype: torch.dtype, prompt: list[int]) -> tuple[list
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "dtype"), CASES, ids=[f"{name}-{dtype}" for name, dtype in CASES])
-def test_llm_matches_load_hf_model(converted, name, dtype, tmp_path):
+@pytest.mark.parametrize(("name", "dtype", "routing"), CASES, ids=["-".join(case) for case in CASES])
+def test_llm_matches_load_hf_model(converted, name, dtype, routing, tmp_path):
     checkpoint = converted(name)
     prompt = prompt_ids(name)
-    result = vllm_generate(checkpoint, dtype, prompt, tmp_path)
+    result = vllm_generate(checkpoint, dtype, routing, prompt, tmp_path)
     tokens, logits = hf_generate(checkpoint, getattr(torch, dtype), prompt)
     vllm_logits = torch.tensor(result["logits"])
     relative = float((vllm_logits - logits).abs().max() / logits.abs().max())
-    print(f"{name} {dtype}: vLLM {result['tokens']} transformers {tokens} max relative logit error {relative:.2e}")
+    print(f"{name} {dtype} routing={routing}: vLLM {result['tokens']} transformers {tokens}, relative {relative:.2e}")
     assert result["tokens"] == tokens
     assert relative <= RELATIVE_TOLERANCE, f"relative logit error {relative:.2e}"

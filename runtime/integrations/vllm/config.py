@@ -17,7 +17,8 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from repack.formats.constants import FORMAT_NAME, QUANT_METHOD, ROUTED, SHARED, SUPPORTED_FORMAT_VERSIONS
+from repack.formats.checkpoint import parse_repack_quant_config
+from repack.formats.constants import QUANT_METHOD, ROUTED, SHARED
 from repack.formats.errors import RepackError
 from repack.formats.quant_config import QuantConfig, parse_quant_config
 from repack.formats.stacks import StackInfo
@@ -26,7 +27,7 @@ from repack.runtime.integrations.vllm.linear import GptqLinearMethod
 from repack.runtime.integrations.vllm.moe import RepackMoEMethod, stack_weight_mapper
 from repack.runtime.routers import router_spec
 
-WHERE = "config.json quantization_config"
+WHERE = "config.json quantization_config"  # vLLM hands us the dict, not the folder
 SHARED_EXPERT_MODULES = ("shared_expert", "shared_experts")  # Qwen2-MoE, DeepSeek
 # vLLM's Mixtral names its MoE block ``block_sparse_moe`` (the older checkpoints' name); transformers 5 saves ``mlp``.
 MIXTRAL_BLOCK = (".mlp.", ".block_sparse_moe.")
@@ -55,10 +56,7 @@ class RepackVllmConfig(QuantizationConfig):
     def __init__(self, fields: dict[str, Any]) -> None:
         super().__init__()
         self.fields = fields
-        try:
-            self.stacks = [StackInfo.from_json(stack) for stack in fields.get("stacks", [])]
-        except TypeError as error:
-            raise RepackError(f"{WHERE}.stacks: malformed stack entry ({error}); re-run `repack convert`") from None
+        self.stacks = parse_repack_quant_config(fields, WHERE)
         self.blocks: dict[str, dict[str, StackInfo]] = {}
         for info in self.stacks:
             self.blocks.setdefault(info.prefix.rpartition(".")[0], {})[info.kind] = info
@@ -90,16 +88,6 @@ class RepackVllmConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> RepackVllmConfig:
         check_vllm_version()
-        if config.get("format") != FORMAT_NAME:
-            raise RepackError(
-                f"{WHERE}: format {config.get('format')!r} is not {FORMAT_NAME!r}; convert the source with "
-                "`repack convert`"
-            )
-        if config.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
-            raise RepackError(
-                f"{WHERE}: {FORMAT_NAME} format_version {config.get('format_version')!r} is not supported by this "
-                f"reader (knows {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade moe-repack or re-convert"
-            )
         return cls(config)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
