@@ -214,7 +214,8 @@ def gptq_linear(name: str, tensors: dict[str, torch.Tensor], scheme, in_features
 
 def model_path(model: nn.Module, name: str, kind: str = "module") -> str | None:
     """The model's name for checkpoint name ``name`` (trying the source-name aliases), or None."""
-    candidates = [name] + [name.replace(old, new) for old, new in SOURCE_MODULE_ALIASES if old in name]
+    dotted = name + "."  # so an alias also matches the last component (a block path ends in ``block_sparse_moe``)
+    candidates = [name] + [dotted.replace(old, new)[:-1] for old, new in SOURCE_MODULE_ALIASES if old in dotted]
     lookup = model.get_submodule if kind == "module" else _get_tensor(model)
     for candidate in candidates:
         try:

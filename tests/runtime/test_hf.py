@@ -135,3 +135,25 @@ def test_shared_mode_reaches_every_moe_block(shared_mode, tmp_path, device):
     blocks = [layer.mlp.runtime() for layer in model.model.layers]
     assert blocks and all(block.shared_mode == shared_mode for block in blocks)
     assert all((block.joined is not None) == (shared_mode == "joined") for block in blocks)
+
+
+def test_mixtral_in_older_block_sparse_moe_naming_loads(tmp_path, device):
+    """Older Mixtral GPTQ repos name the block ``block_sparse_moe`` (transformers 5: ``mlp``); both doors load it
+    onto our blocks and agree."""
+    from transformers import AutoModelForCausalLM
+
+    from repack.formats.gptq import GptqScheme
+    from repack.runtime.integrations.transformers import RepackMoeBlock
+    from repack.synthetic import write_synthetic_checkpoint
+
+    source = write_synthetic_checkpoint(
+        tmp_path / "src", family="mixtral", scheme=GptqScheme(4, 32, True, "gptq"), mixtral_naming="v4"
+    )
+    convert(str(source), tmp_path / "out", quiet=True)
+    ids = torch.tensor([[1, 2, 3, 4]], device=device)
+    direct = load_hf_model(tmp_path / "out", device=device)
+    pretrained = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float16).to(device)
+    for model in (direct, pretrained):
+        assert all(isinstance(layer.mlp, RepackMoeBlock) for layer in model.model.layers)
+    with torch.no_grad():
+        torch.testing.assert_close(pretrained(ids).logits, direct(ids).logits, rtol=0, atol=0)
