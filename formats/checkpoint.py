@@ -34,10 +34,11 @@ import torch
 from repack.formats.errors import RepackError
 from repack.formats.paths import check_inside, child_path
 
-from .stacks import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo
+from .stacks import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo, StackInfoError
 
 SINGLE_FILE = "model.safetensors"
-CONVERSION_ID_KEY = "conversion_id"  # in the manifest, config.json's quantization_config, every header
+from .constants import CONVERSION_ID_KEY  # noqa: E402, F401 - re-exported (the loader and converter use it here)
+
 CONFIG_FILE = "config.json"
 READ_CHUNK = 16 << 20  # pieces of a large copied tensor (embeddings, lm_head) read at a time
 STAGING_BYTES = 16 << 20  # aligned write buffer of one output file (O_DIRECT writes of this size)
@@ -294,10 +295,6 @@ class CheckpointReader:
             raise RepackError(f"{self.folder}: tensor {name} not found in the checkpoint")
         return self.entries[name]
 
-    def get(self, name: str) -> torch.Tensor:
-        """Load one tensor (its bytes only); same as :meth:`read`."""
-        return self.read(name)
-
     def read(self, name: str) -> torch.Tensor:
         """Load one tensor with ``pread`` into new memory (no mapping of the file stays behind)."""
         entry = self.entry(name)
@@ -345,9 +342,6 @@ class CheckpointReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-    def file_sizes(self) -> dict[str, int]:
-        return {file: (self.folder / file).stat().st_size for file in self.files}
 
 
 def _read_index(path: Path) -> dict[str, str]:
@@ -847,5 +841,5 @@ def parse_repack_quant_config(quant: dict, where: str) -> list[StackInfo]:
         )
     try:
         return [StackInfo.from_json(stack) for stack in quant.get("stacks", [])]
-    except (TypeError, ValueError) as error:  # unknown or missing keys, impossible values (StackInfoError)
+    except StackInfoError as error:
         raise RepackError(f"{where}: malformed stack entry in quantization_config.stacks ({error})") from None

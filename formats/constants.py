@@ -11,6 +11,7 @@ QUANT_METHOD = "repack"
 MANIFEST_FILE = "repack_manifest.json"
 CARD_FILE = "README.md"  # the model card: written and owned by `repack push`, not a conversion output
 INDEX_FILE = "model.safetensors.index.json"
+CONVERSION_ID_KEY = "conversion_id"  # in the manifest, config.json's quantization_config, every shard header
 
 STACK_TENSORS = ("w13_qweight", "w13_scales", "w13_zeros", "w13_perm", "w2_qweight", "w2_scales", "w2_zeros", "w2_perm")
 ROUTED = "routed"

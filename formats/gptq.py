@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import RepackError
+
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -33,7 +35,7 @@ LINEAR_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 OPTIONAL_SUFFIXES = ("bias",)
 
 
-class GptqFormatError(ValueError):
+class GptqFormatError(RepackError):
     """Tensors or config that do not follow the GPTQ conventions; the message names what and where."""
 
 

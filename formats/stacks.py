@@ -44,6 +44,7 @@ from .constants import (  # noqa: F401 - re-exported, so this module still names
     SUPPORTED_FORMAT_VERSIONS,
     WORD_ORDERS,
 )
+from .errors import RepackError
 from .gptq import (
     GptqFormatError,
     GptqLinear,
@@ -56,9 +57,9 @@ from .gptq import (
 )
 
 
-class StackInfoError(ValueError, TypeError):
-    """A stack entry with an impossible value. Also a TypeError so that every reader that turns a malformed
-    ``stacks`` entry (unknown or missing keys raise TypeError) into its one-line error catches it too."""
+class StackInfoError(RepackError):
+    """A ``stacks`` entry of config.json that cannot describe a stack: unknown or missing keys, or an impossible
+    value. Readers prefix it with the file it came from."""
 
 
 @dataclass
@@ -131,7 +132,12 @@ class StackInfo:
 
     @classmethod
     def from_json(cls, data: dict) -> StackInfo:
-        return cls(**data)
+        if not isinstance(data, dict):
+            raise StackInfoError(f"stack entry {data!r} is not an object")
+        try:
+            return cls(**data)
+        except TypeError as error:  # the dataclass names the unknown or missing key
+            raise StackInfoError(f"stack entry {data.get('prefix', '?')!r}: {error}") from None
 
 
 def joinable(routed: StackInfo, shared: StackInfo) -> bool:

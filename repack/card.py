@@ -1,70 +1,96 @@
-"""The model card (README.md) pushed with a converted checkpoint, rendered from its manifest and config.
+"""The model card (README.md) pushed with a converted checkpoint, built with huggingface_hub's ``ModelCard``.
 
-The card is the first thing a Hub visitor reads, so it says where the weights come from (source repo,
-revision, checksums), what the format is, and how to load it. Its YAML front matter links it to the source
-model as a quantized derivative (`base_model_relation: quantized`).
+The card is the first thing a Hub visitor reads, so it says where the weights come from (source repo, revision,
+checksums), what the format is, and how to load it. Its metadata links it to the model it quantizes
+(``base_model`` with ``base_model_relation: quantized``) and keeps the source card's license, language and tags.
 
 `library_name: repack`, not `transformers`: the Hub derives its "Use this model" snippet from the library, and a
-plain transformers snippet fails on this checkpoint (transformers does not know `quant_method: "repack"`
-until `import repack.runtime` registers it). The card shows the working transformers snippet itself.
+plain transformers snippet fails on this checkpoint (transformers does not know `quant_method: "repack"` until
+`import repack.runtime` registers it). The card shows the working transformers snippet itself.
 
-The last line of every card is a marker holding the sha256 of the text above it. It lets `repack push` tell
-a card it generated (safe to regenerate) from one the user edited (kept unless `--force`).
+Everything that comes from the source (architecture names, file names, versions) is untrusted text: it is
+escaped so it can add no heading, link or HTML to the card. Local paths never appear in it.
+
+The last line of every card is a marker holding the sha256 of the text above it. It lets `repack push` tell a card
+it generated (safe to regenerate) from one the user edited (kept unless `--force`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import html
 import re
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import metadata as package_metadata
 
-import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from repack.formats.constants import FORMAT_NAME, MANIFEST_FILE
+from repack.formats.manifest import Manifest
+from repack.model_files import SOURCE_README
+from repack.provenance import is_repo_id
 
 CARD_TAGS = ["moe", "gptq", "int4", "repack"]
+SOURCE_CARD_FIELDS = ("license", "license_name", "license_link", "language")  # carried over from the source's card
 MARKER_PREFIX = "<!-- repack-card"
 _MARKER_PATTERN = re.compile(r"^<!-- repack-card content-sha256=([0-9a-f]{64}) .*-->\n?\Z")
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]()#!|~<>])")  # what could start markup inside a line or table cell
+
+
+def install_command() -> str:
+    """The pip line that installs this tool for someone who has only the card: the project's source URL, as its
+    package metadata records it (pyproject.toml ``[project.urls] Source``)."""
+    try:
+        urls = package_metadata("moe-repack").get_all("Project-URL") or []
+    except PackageNotFoundError:
+        urls = []
+    source = next((url.split(",", 1)[1].strip() for url in urls if url.lower().startswith("source,")), None)
+    if source is None:
+        return "pip install 'moe-repack[hf]'  # from a wheel or a clone of moe-repack"
+    return f"pip install 'moe-repack[hf] @ git+{source}'"
 
 
 def render_model_card(
-    manifest: dict,
+    manifest: Manifest,
     config: dict,
     *,
     repo_id: str,
     speed_table: str | None,
-    license: str | None = None,
+    source_card: dict | None = None,
+    base_model: str | None = None,
 ) -> str:
-    """Render README.md for the checkpoint described by `manifest` (SPEC section 5) and `config` (section 4).
+    """README.md for the checkpoint described by ``manifest`` (SPEC section 5) and ``config`` (section 4).
 
-    `speed_table` is markdown measured by the user (e.g. benchmarks/RESULTS.md) and embedded verbatim;
-    `license` is carried over from the source's card when known.
+    ``speed_table`` is markdown measured by the user (e.g. benchmarks/RESULTS.md) and embedded verbatim;
+    ``source_card`` is the source card's metadata; ``base_model`` overrides the one the manifest records.
     """
-    source = manifest.get("source") or {}
-    base_model = hub_source_id(source)
-    front_matter = _front_matter(base_model, license)
+    base = base_model or card_base_model(manifest)
+    data = _card_data(base, source_card or {})
     sections = [
-        _title(repo_id, base_model, source),
+        _title(repo_id, base, manifest),
         _format_section(manifest, config),
-        _source_section(manifest, source),
-        _loading_section(repo_id, base_model),
+        _source_section(manifest),
+        _loading_section(repo_id, manifest),
     ]
     if speed_table is not None and speed_table.strip():
         sections.append("## Measured speed\n\n" + speed_table.strip() + "\n")
-    body = "---\n" + front_matter + "---\n\n" + "\n".join(sections) + "\n"
+    card = ModelCard("---\n" + data.to_yaml() + "\n---\n\n" + "\n".join(sections) + "\n")
+    body = str(card)
     return body + _marker(body)
 
 
-def hub_source_id(source: dict) -> str | None:
-    """The source's Hub repo id, or None when it was converted from a local folder.
+def card_base_model(manifest: Manifest) -> str | None:
+    """The Hub id the card names as ``base_model``: the one the manifest records, else the Hub source itself.
 
-    The Hub reads `base_model` as a repo id, so a local path must never end up there.
-    """
-    repo_id = source.get("repo_id")
-    if isinstance(repo_id, str) and re.fullmatch(r"[\w.\-]+/[\w.\-]+", repo_id):
-        return repo_id
+    The Hub reads ``base_model`` as a repo id, so anything that is not a valid one (a local path) is dropped."""
+    for candidate in (manifest.source.base_model, manifest.source.repo_id):
+        if is_repo_id(candidate):
+            return candidate
     return None
 
 
 def is_generated_card(text: str) -> bool:
-    """True when `text` is a card rendered by `render_model_card` and not edited since.
+    """True when ``text`` is a card rendered by :func:`render_model_card` and not edited since.
 
     A card from an older run (other speed table, other version) counts as generated, so it is regenerated;
     any edit breaks the checksum in the marker, so the user's text is never overwritten silently.
@@ -74,117 +100,134 @@ def is_generated_card(text: str) -> bool:
     return match is not None and _sha256(body + "\n") == match.group(1)
 
 
-def _front_matter(base_model: str | None, license: str | None) -> str:
-    metadata: dict = {}
-    if license:
-        metadata["license"] = license
-    if base_model is not None:
-        metadata["base_model"] = base_model
-        metadata["base_model_relation"] = "quantized"
-    metadata["library_name"] = "repack"
-    metadata["pipeline_tag"] = "text-generation"
-    metadata["tags"] = list(CARD_TAGS)
-    return yaml.safe_dump(metadata, sort_keys=False, default_flow_style=False)
+def escape_text(value: object) -> str:
+    """Untrusted text as inert markdown: HTML escaped, markdown punctuation backslashed, on one line."""
+    text = " ".join(str(value).split())
+    return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=False))
 
 
-def _title(repo_id: str, base_model: str | None, source: dict) -> str:
-    name = repo_id.split("/")[-1]
-    if base_model is not None:
-        origin = f"[{base_model}](https://huggingface.co/{base_model})"
-    else:
-        origin = f"a local GPTQ checkpoint (`{source.get('path') or source.get('repo_id') or 'unknown'}`)"
-    return (
-        f"# {name}\n\n"
-        f"{origin}, converted losslessly by [moe-repack](https://pypi.org/project/moe-repack/) into the "
-        "repack-moe layout: the int4 GPTQ experts of every MoE layer are stacked, gate and up merged, and "
-        "packed in the order the fused Triton W4A16 MoE kernel reads them. Every other tensor is the source's, "
-        "byte for byte, and `repack verify` rebuilds the source GPTQ tensors bit for bit.\n"
+def _card_data(base_model: str | None, source_card: dict) -> ModelCardData:
+    fields = {key: source_card[key] for key in SOURCE_CARD_FIELDS if source_card.get(key)}
+    source_tags = source_card.get("tags") if isinstance(source_card.get("tags"), list) else []
+    tags = list(dict.fromkeys([*(str(tag) for tag in source_tags), *CARD_TAGS]))
+    relation = {"base_model_relation": "quantized"} if base_model else {}
+    return ModelCardData(
+        base_model=base_model,
+        library_name="repack",
+        pipeline_tag="text-generation",
+        tags=tags,
+        **fields,
+        **relation,
     )
 
 
-def _format_section(manifest: dict, config: dict) -> str:
+def _hub_link(repo_id: str) -> str:
+    return f"[{repo_id}](https://huggingface.co/{repo_id})"  # a valid repo id has no markdown specials to escape
+
+
+def _title(repo_id: str, base_model: str | None, manifest: Manifest) -> str:
+    name = escape_text(repo_id.split("/")[-1])
+    source_id = manifest.source.repo_id if is_repo_id(manifest.source.repo_id) else None
+    if source_id is not None:
+        origin = _hub_link(source_id)
+    elif base_model is not None:
+        origin = f"A local GPTQ checkpoint of {_hub_link(base_model)}"
+    else:
+        origin = "A local GPTQ checkpoint"
+    return (
+        f"# {name}\n\n"
+        f"{origin}, converted losslessly by moe-repack into the {FORMAT_NAME} layout: the int4 GPTQ experts of "
+        "every MoE layer are stacked, gate and up merged, and packed in the order the fused Triton W4A16 MoE kernel "
+        "reads them. Every other tensor is the source's, byte for byte, and `repack verify` rebuilds the source GPTQ "
+        "tensors bit for bit.\n"
+    )
+
+
+def _format_section(manifest: Manifest, config: dict) -> str:
     quant = config.get("quantization_config") or {}
-    stacks = quant.get("stacks") or []
+    stacks = [stack for stack in quant.get("stacks") or [] if isinstance(stack, dict)]
     routed = [stack for stack in stacks if stack.get("kind") == "routed"]
     shared = [stack for stack in stacks if stack.get("kind") == "shared"]
+    architectures = config.get("architectures") or [config.get("model_type", "unknown")]
     rows = [
-        ("format", f"{manifest.get('format', quant.get('format'))} v{manifest.get('format_version')}"),
-        ("converter", f"moe-repack {manifest.get('converter_version', 'unknown')}"),
-        ("architecture", ", ".join(config.get("architectures") or [config.get("model_type", "unknown")])),
+        ("format", f"{FORMAT_NAME} v{manifest.format_version}"),
+        ("converter", f"moe-repack {escape_text(manifest.converter_version)}"),
+        ("architecture", ", ".join(escape_text(name) for name in architectures)),
         ("quantization", _scheme_text(quant)),
         ("MoE layers", str(len(routed))),
     ]
     if routed:
         first = routed[0]
-        rows.append(
-            (
-                "routed experts",
-                f"{first.get('num_experts')} per layer, hidden {first.get('hidden_size')}, "
-                f"intermediate {first.get('intermediate_size')}",
-            )
-        )
+        sizes = (first.get("num_experts"), first.get("hidden_size"), first.get("intermediate_size"))
+        rows.append(("routed experts", "{} per layer, hidden {}, intermediate {}".format(*map(escape_text, sizes))))
     if shared:
-        rows.append(("shared expert", f"stored as {shared[0].get('num_experts')} routed-size chunk(s)"))
+        rows.append(("shared expert", f"stored as {escape_text(shared[0].get('num_experts'))} routed-size chunk(s)"))
     act_order = any(stack.get("act_order_w13") or stack.get("act_order_w2") for stack in stacks)
     rows.append(("act-order", "resolved at conversion" if act_order else "no"))
-    if manifest.get("created"):
-        rows.append(("converted", str(manifest["created"])))
+    if manifest.created:
+        rows.append(("converted", escape_text(manifest.created)))
     table = "| | |\n|---|---|\n" + "".join(f"| {key} | {value} |\n" for key, value in rows)
     return "## Format\n\n" + table
 
 
 def _scheme_text(quant: dict) -> str:
     group = quant.get("group_size")
-    group_text = "per channel" if group == -1 else f"group size {group}"
+    group_text = "per channel" if group == -1 else f"group size {escape_text(group)}"
     symmetry = "symmetric" if quant.get("sym", True) else "asymmetric"
-    return f"GPTQ int{quant.get('bits', 4)}, {group_text}, {symmetry}, fp16 scales"
+    return f"GPTQ int{escape_text(quant.get('bits', 4))}, {group_text}, {symmetry}, fp16 scales"
 
 
-def _source_section(manifest: dict, source: dict) -> str:
-    repo_id = hub_source_id(source)
+def _source_section(manifest: Manifest) -> str:
+    source = manifest.source
     lines = ["## Source\n"]
-    if repo_id is not None:
-        lines.append(f"- repo: [{repo_id}](https://huggingface.co/{repo_id})")
+    if is_repo_id(source.repo_id):
+        lines.append(f"- repo: {_hub_link(source.repo_id)}")
+        lines.append(f"- revision: `{escape_text(source.revision)}`" if source.revision else "- revision: not recorded")
     else:
-        lines.append(f"- local folder: `{source.get('path') or source.get('repo_id') or 'unknown'}`")
-    lines.append(f"- revision: `{source.get('revision') or 'not recorded (local folder)'}`")
-    source_files = manifest.get("source_files") or {}
+        lines.append("- a local folder (its path is not published)")
+    if SOURCE_README in manifest.output_files:
+        lines.append(f"- the source's own model card: [{SOURCE_README}]({SOURCE_README})")
     lines.append(
-        f"- sha256 of the {len(source_files)} source files, also in `repack_manifest.json` together with the "
+        f"- sha256 of the {len(manifest.source_files)} source files, also in `{MANIFEST_FILE}` together with the "
         "checksums of every file of this repo:\n"
     )
     lines.append("<details>\n<summary>source file checksums</summary>\n")
     lines.append("| file | size (bytes) | sha256 |\n|---|---:|---|")
-    for name in sorted(source_files):
-        entry = source_files[name]
-        lines.append(f"| `{name}` | {entry.get('size', '')} | `{entry.get('sha256', '')}` |")
+    for name in sorted(manifest.source_files):
+        record = manifest.source_files[name]
+        lines.append(f"| {escape_text(name)} | {record.size} | `{record.sha256}` |")
     lines.append("\n</details>\n")
     return "\n".join(lines) + "\n"
 
 
-def _loading_section(repo_id: str, base_model: str | None) -> str:
-    source_argument = base_model or "<the source GPTQ folder>"
+def _loading_section(repo_id: str, manifest: Manifest) -> str:
+    source_id = manifest.source.repo_id if is_repo_id(manifest.source.repo_id) else "<the source GPTQ folder>"
     return (
         "## How to load\n\n"
-        "`pip install moe-repack`, then run the MoE blocks with the fused kernel directly:\n\n"
+        f"Install moe-repack with the transformers extra: `{install_command()}`. Then run the MoE blocks with the "
+        "fused kernel directly (on a GPU; a CPU runs them in Triton's interpreter with `TRITON_INTERPRET=1`, "
+        "slowly):\n\n"
         "```python\n"
+        "import torch\n"
         "from huggingface_hub import snapshot_download\n"
         "from repack.runtime import load\n\n"
-        f'ckpt = load(snapshot_download("{repo_id}"), device="cuda")\n'
+        'device = "cuda" if torch.cuda.is_available() else "cpu"\n'
+        f'ckpt = load(snapshot_download("{repo_id}"), device=device)\n'
         "block = ckpt.moe_block(ckpt.moe_layers[0])  # nn.Module: [tokens, hidden] -> [tokens, hidden]\n"
         "```\n\n"
         "or through transformers, once `import repack.runtime` has registered the `repack` quantization "
-        "method:\n\n"
+        "method (the weights go to the GPU, or stay on the CPU when there is none):\n\n"
         "```python\n"
+        "import torch\n"
         "import repack.runtime  # noqa: F401  (registers quant_method 'repack' with transformers)\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", device_map="cuda")\n'
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype=torch.float16)\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
         'inputs = tokenizer("The capital of France is", return_tensors="pt").to(model.device)\n'
         "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=16)[0]))\n"
         "```\n\n"
         "Check a download bit for bit against the source: "
-        f"`repack verify <downloaded folder> --source {source_argument}`.\n"
+        f"`repack verify <downloaded folder> --source {source_id}`.\n"
     )
 
 

@@ -1,13 +1,15 @@
 """The ``repack`` command line: convert, verify, inspect, push, tune, demo.
 
-Every command runs inside :func:`one_line_errors`, so user-facing failures (RepackError, GPTQ format
-errors, safetensors errors, OS errors, Ctrl-C) print a single ``error: ...`` line to stderr and exit
-non-zero; no traceback is ever shown for them.
+Every command runs inside :func:`one_line_errors`, so user-facing failures (RepackError and its subclasses,
+safetensors errors, OS errors, Ctrl-C) print a single ``error: ...`` line to stderr and exit non-zero; no
+traceback is ever shown for them.
+
+Importing this module imports neither torch nor huggingface_hub: ``repack --help``, a mistyped argument and
+``repack push --dry-run`` do not pay seconds for them. Each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
-import functools
 import signal
 import sys
 import threading
@@ -36,17 +38,37 @@ if _started_as_the_command() and threading.current_thread() is threading.main_th
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from repack import __version__  # noqa: E402
+from repack.formats.constants import FORMAT_NAME, FORMAT_VERSION  # noqa: E402
 from repack.formats.errors import RepackError, printable  # noqa: E402
 
 INTERRUPTED = "error: interrupted; nothing was written to the output folder"
 
 app = typer.Typer(
     name="repack",
-    help="Convert GPTQ int4 Mixture-of-Experts checkpoints into the kernel-ready repack-moe format.",
+    help=f"Convert GPTQ int4 Mixture-of-Experts checkpoints into the kernel-ready {FORMAT_NAME} format.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+INCLUDE_HELP = "Also copy source files matching this glob (repeatable); the plan lists what is copied."
+EXCLUDE_HELP = "Do not copy source files matching this glob (repeatable)."
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"repack (moe-repack) {__version__}, writes {FORMAT_NAME} v{FORMAT_VERSION}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Convert GPTQ int4 Mixture-of-Experts checkpoints into the kernel-ready repack-moe format."""
 
 
 def _one_line(error: BaseException) -> str:
@@ -70,13 +92,17 @@ def _imports_uninterrupted() -> Iterator[None]:
 
 
 @contextmanager
-def one_line_errors() -> Iterator[None]:
-    """Print known failures as ``error: <one line>`` on stderr and exit with a non-zero code."""
+def one_line_errors(needs_torch: bool = False) -> Iterator[None]:
+    """Print known failures as ``error: <one line>`` on stderr and exit with a non-zero code.
+
+    ``needs_torch``: the command uses tensors, so torch (the slow import) is imported here, with Ctrl-C held;
+    commands without tensors (push, help) never import it."""
     try:
-        with _imports_uninterrupted():  # torch, through formats.gptq: the slow one
+        with _imports_uninterrupted():
             from safetensors import SafetensorError
 
-            from repack.formats.gptq import GptqFormatError
+            if needs_torch:
+                import torch  # noqa: F401
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         raise typer.Exit(130) from None
@@ -85,7 +111,7 @@ def one_line_errors() -> Iterator[None]:
     except RepackError as error:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         raise typer.Exit(error.exit_code) from None
-    except (GptqFormatError, SafetensorError) as error:
+    except SafetensorError as error:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -97,20 +123,26 @@ def one_line_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-@app.command()
+@app.command(help=f"Convert a GPTQ MoE checkpoint into the {FORMAT_NAME} v{FORMAT_VERSION} layout.")
 def convert(
     src: str = typer.Argument(..., help="Local GPTQ checkpoint folder or Hugging Face repo id (org/name)."),
     out: Path = typer.Argument(..., help="Output folder (created; must be empty unless --force)."),
     revision: str | None = typer.Option(None, help="Hub branch, tag or commit (Hub ids only)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty OUT (after success)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (every output tensor) and exit."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (every output tensor and file) and exit."),
     shard_size: str = typer.Option("5GB", "--shard-size", help="Maximum shard size, e.g. 5GB, 500MB, 2GiB."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    base_model: str | None = typer.Option(
+        None, "--base-model", help="Hub id of the model this checkpoint quantizes (card's base_model)."
+    ),
+    include: list[str] | None = typer.Option(None, "--include", help=INCLUDE_HELP),
+    exclude: list[str] | None = typer.Option(None, "--exclude", help=EXCLUDE_HELP),
     push: str | None = typer.Option(None, "--push", help="Then upload OUT to this Hub repo (see `repack push`)."),
     private: bool = typer.Option(False, "--private", help="With --push: create the repo private."),
 ) -> None:
-    """Convert a GPTQ MoE checkpoint into the repack-moe v1 layout."""
-    with one_line_errors():
+    with one_line_errors(needs_torch=True):
+        from rich.filesize import decimal
+
         from repack.convert import convert as run_convert
 
         access = None
@@ -119,16 +151,25 @@ def convert(
 
             access = check_hub_access(push)
         result = run_convert(
-            src, out, revision=revision, force=force, dry_run=dry_run, shard_size=shard_size, quiet=quiet
+            src,
+            out,
+            revision=revision,
+            force=force,
+            dry_run=dry_run,
+            shard_size=shard_size,
+            quiet=quiet,
+            base_model=base_model,
+            include=include or [],
+            exclude=exclude or [],
         )
         if not dry_run and not quiet:
-            files = result["output_files"]
-            total = sum(f["size"] for f in files.values())
-            Console(stderr=True).print(f"wrote {out} ({len(files)} files, {total / 1e6:.1f} MB)")
+            Console(stderr=True).print(
+                f"wrote {out} ({len(result.output_files)} files, {decimal(result.output_bytes)})"
+            )
         if access is not None:
             from repack.push import push_after_convert
 
-            push_after_convert(out, push, access, private=private)
+            push_after_convert(out, push, access, private=private, quiet=quiet)
 
 
 @app.command()
@@ -138,7 +179,7 @@ def verify(
     revision: str | None = typer.Option(None, help="Hub revision of --source."),
 ) -> None:
     """Check checksums against the manifest and, with --source, the bit-exact inverse of every tensor."""
-    with one_line_errors():
+    with one_line_errors(needs_torch=True):
         from repack.verify import verify as run_verify
 
         report = run_verify(out, source, revision)
@@ -154,7 +195,7 @@ def verify(
 @app.command()
 def inspect(out: Path = typer.Argument(..., help="Output folder of repack convert.")) -> None:
     """Show format version, layers, experts, shapes, quantization, provenance and sizes."""
-    with one_line_errors():
+    with one_line_errors(needs_torch=True):
         from repack.inspect_cmd import inspect_output
 
         Console().print(inspect_output(out))
@@ -187,7 +228,7 @@ def tune(
 
     Point REPACK_MOE_CONFIG_DIR at the folder (or copy the files into runtime/configs/) to use them.
     """
-    with one_line_errors():
+    with one_line_errors(needs_torch=True):
         import torch
 
         from repack.formats.checkpoint import read_repack_config
@@ -204,24 +245,78 @@ def tune(
             Console().print(f"wrote {path}")
 
 
-def _register_push() -> None:
-    """``push`` keeps its typer signature in repack/push.py (huggingface_hub is imported there); it runs inside
-    :func:`one_line_errors` like every command, so an unreadable file is one line too."""
-    from repack.push import push_command
+@app.command("push")
+def push(
+    repo_id: str = typer.Argument(..., help="Hub repo to push to, e.g. myorg/Qwen2-57B-A14B-repack (as `hf upload`)."),
+    local_path: str = typer.Argument(".", help="A folder written by `repack convert` (default: this folder)."),
+    private: bool = typer.Option(False, "--private", help="Create the repo as private."),
+    revision: str = typer.Option("main", "--revision", help="Branch to push to (created if missing)."),
+    create_pr: bool = typer.Option(False, "--create-pr", help="Push into a pull request (re-running resumes it)."),
+    commit_message: str | None = typer.Option(
+        None, "--commit-message", help="Commit message (default: names the source and the manifest's checksum)."
+    ),
+    include: list[str] | None = typer.Option(None, "--include", help="Upload only verified files matching this glob."),
+    exclude: list[str] | None = typer.Option(None, "--exclude", help="Do not upload files matching this glob."),
+    base_model: str | None = typer.Option(None, "--base-model", help="Hub id the card names as base_model."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print files, sizes and the card; no network, no writes."),
+    force: bool = typer.Option(False, "--force", help="Replace a README.md edited by hand in the folder."),
+    speed_table: Path | None = typer.Option(None, "--speed-table", help="Markdown file of measured speeds (card)."),
+    token: str | None = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN, then the cached login)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar while the files are checked."),
+) -> None:
+    """Upload a converted checkpoint to the Hugging Face Hub with a generated model card.
 
-    @functools.wraps(push_command)
-    def push(*args, **kwargs) -> None:
-        with one_line_errors():
-            push_command(*args, **kwargs)
+    Arguments in the order of `hf upload REPO_ID [LOCAL_PATH]`; the older `repack push LOCAL_PATH REPO_ID` works too.
+    """
+    with one_line_errors():
+        from rich.console import Console as RichConsole
 
-    app.command("push")(push)
+        from repack.push import print_result, push_checkpoint
+
+        folder, repo = push_arguments(repo_id, local_path)
+        result = push_checkpoint(
+            Path(folder),
+            repo,
+            private=private,
+            revision=revision,
+            create_pr=create_pr,
+            dry_run=dry_run,
+            force=force,
+            speed_table=speed_table,
+            token=token,
+            base_model=base_model,
+            include=include or [],
+            exclude=exclude or [],
+            commit_message=commit_message,
+            quiet=quiet,
+        )
+        print_result(result, RichConsole())
 
 
-_register_push()
+def push_arguments(first: str, second: str) -> tuple[str, str]:
+    """(folder, repo id) from `push REPO_ID [LOCAL_PATH]`, or from the older `push LOCAL_PATH REPO_ID`."""
+    from repack.formats.constants import MANIFEST_FILE
+
+    if (Path(first) / MANIFEST_FILE).is_file() and not Path(second).is_dir():
+        return first, second
+    return second, first
+
+
+def flags_without_value_hint(command) -> None:
+    """Typer labels every option with its type, so a flag reads `--force <bool>` as if it took a value: drop the
+    label of the flags (boolean options take none), `-h/--help` included (created here, as it would be on use)."""
+    context = command.context_class(command, **(command.context_settings | app.info.context_settings))
+    for param in [*command.params, command.get_help_option(context)]:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        flags_without_value_hint(sub)
 
 
 def main() -> None:
-    app()
+    command = typer.main.get_command(app)
+    flags_without_value_hint(command)
+    command()
 
 
 if __name__ == "__main__":

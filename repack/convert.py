@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.filesize import decimal
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -51,9 +52,11 @@ from repack.formats.checkpoint import (
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero_points, write_zero_points
 from repack.formats.hashing import HASH_CHUNK, hash_file
+from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
+from repack.provenance import source_record
 from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
 from repack.source import SourceCheckpoint, resolve_source
 
@@ -117,19 +120,12 @@ def check_output_target(out: Path, force: bool, source: Path | None = None) -> N
         raise RepackError(f"{out}: cannot create it, {parent} is not a folder; choose another output path")
 
 
-def human_size(nbytes: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 1e3:.1f} kB"
-
-
 def check_free_space(plan: Plan, folder: Path) -> None:
     need = plan.output_bytes + plan.copied_file_bytes() + (1 << 20)
     free = shutil.disk_usage(folder).free
     if free < need:
         raise RepackError(
-            f"not enough disk space in {folder.parent}: free {human_size(free)}, need ~{human_size(need)}; "
+            f"not enough disk space in {folder.parent}: free {decimal(free)}, need ~{decimal(need)}; "
             "free some space or choose another output folder"
         )
 
@@ -144,7 +140,7 @@ def disk_errors(target: Callable[[], str], plan: Plan, folder: Path) -> Iterator
             free = shutil.disk_usage(folder).free
             need = plan.output_bytes + plan.copied_file_bytes()
             raise RepackError(
-                f"disk full writing {target()}: free {human_size(free)}, need ~{human_size(need)}; free some "
+                f"disk full writing {target()}: free {decimal(free)}, need ~{decimal(need)}; free some "
                 "space or choose another output folder"
             ) from None
         if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -352,14 +348,6 @@ def interleave_streams(streams: dict[str, Iterator[Piece]], order: list[str]) ->
         waiting[prefix] = piece
 
 
-def run_pack_stack(reader: CheckpointReader, step: PackStack) -> dict:
-    """One stack's output tensors, whole (the pieces of :func:`stream_pack_stack` concatenated)."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    for name, part in stream_pack_stack(reader, step):
-        parts.setdefault(name, []).append(part)
-    return {name: torch.cat(pieces) for name, pieces in parts.items()}
-
-
 def output_config(plan: Plan, conversion_id: str) -> dict:
     """config.json with quantization_config replaced as in formats/SPEC.md section 4."""
     config = copy.deepcopy(plan.source.config)
@@ -407,8 +395,10 @@ def make_progress(quiet: bool) -> Progress:
 class Converter:
     """Runs one plan into a temp folder; :meth:`run` returns the manifest written."""
 
-    def __init__(self, plan: Plan, reader: CheckpointReader, folder: Path, shard_bytes: int, quiet: bool) -> None:
-        self.plan, self.reader, self.folder = plan, reader, folder
+    def __init__(
+        self, plan: Plan, reader: CheckpointReader, folder: Path, shard_bytes: int, quiet: bool, origin: SourceRecord
+    ) -> None:
+        self.plan, self.reader, self.folder, self.origin = plan, reader, folder, origin
         self.conversion_id = uuid.uuid4().hex  # ties every file of this run together (formats/SPEC.md section 5)
         metadata = {"format": "pt", CONVERSION_ID_KEY: self.conversion_id}
         self.writer = ShardedWriter(folder, plan.output_tensors(), shard_bytes, metadata=metadata)
@@ -416,7 +406,7 @@ class Converter:
         self.current = str(folder)
         self._scratch = memoryview(bytearray(HASH_CHUNK))
 
-    def run(self) -> dict:
+    def run(self) -> Manifest:
         # One intra-op thread: the tensor ops are small per expert, and the hashing and writer threads
         # need the second core; OpenMP workers spinning against them cost more than they save.
         torch.set_num_threads(1)
@@ -437,7 +427,7 @@ class Converter:
                 self.hasher.stop()
             manifest = self._manifest(sources, outputs)
             self.current = str(self.folder / MANIFEST_FILE)
-            write_json(self.folder / MANIFEST_FILE, manifest)
+            write_json(self.folder / MANIFEST_FILE, manifest.to_json())
         return manifest
 
     def _write_weights(self) -> None:
@@ -473,10 +463,11 @@ class Converter:
     def _copy_files(self, outputs: dict) -> dict:
         source = self.plan.source
         sources: dict[str, dict] = {}
-        for name in self.plan.files_to_copy:
-            self.current = str(self.folder / name)
-            origin = check_inside(source.path, source.path / name)  # again, as it is opened
-            sources[name] = outputs[name] = copy_file(origin, self.folder / name)
+        for copied in self.plan.files_to_copy:
+            self.current = str(self.folder / copied.output)
+            origin = check_inside(source.path, source.path / copied.source)  # again, as it is opened
+            record = copy_file(origin, self.folder / copied.output)
+            sources[copied.source] = outputs[copied.output] = record
         self.current = str(self.folder / CONFIG_FILE)
         written: WrittenFile = write_json(self.folder / CONFIG_FILE, output_config(self.plan, self.conversion_id))
         outputs[CONFIG_FILE] = {"sha256": written.sha256, "size": written.size}
@@ -488,17 +479,15 @@ class Converter:
             sources[index.name] = {"sha256": sha, "size": size}
         return sources
 
-    def _manifest(self, sources: dict, outputs: dict) -> dict:
-        return {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "converter_version": __version__,
-            CONVERSION_ID_KEY: self.conversion_id,
-            "source": self.plan.source.provenance(),
-            "source_files": dict(sorted(sources.items())),
-            "output_files": dict(sorted(outputs.items())),
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        }
+    def _manifest(self, sources: dict, outputs: dict) -> Manifest:
+        return new_manifest(
+            self.origin,
+            sources,
+            outputs,
+            converter_version=__version__,
+            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            conversion_id=self.conversion_id,
+        )
 
 
 @contextmanager
@@ -534,13 +523,17 @@ def convert(
     shard_size: str | int = "5GB",
     quiet: bool = False,
     console: Console | None = None,
-) -> Plan | dict:
+    base_model: str | None = None,
+    include: list[str] = (),
+    exclude: list[str] = (),
+) -> Plan | Manifest:
     """Convert SRC into OUT. Returns the plan for ``dry_run``, else the manifest written."""
     out = Path(out).expanduser().absolute()
     shard_bytes = shard_size if isinstance(shard_size, int) else parse_size(shard_size)
     source: SourceCheckpoint = resolve_source(src, revision)
+    origin = source_record(source.path, repo_id=source.repo_id, revision=source.revision, base_model=base_model)
     reader = CheckpointReader(source.path)
-    plan = build_plan(source, reader)
+    plan = build_plan(source, reader, include, exclude)
     if dry_run:
         (console or Console()).print(plan.describe())
         return plan
@@ -556,7 +549,7 @@ def convert(
     try:
         with sigterm_as_interrupt():
             check_free_space(plan, temp)
-            manifest = Converter(plan, reader, temp, shard_bytes, quiet).run()
+            manifest = Converter(plan, reader, temp, shard_bytes, quiet, origin).run()
             reader.close()
             with signals_held():  # an interrupt lands before the swap or after it, never inside
                 try:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import typer
 from rich.console import Console
+from rich.filesize import decimal
 from rich.table import Table
 from safetensors import safe_open
 
@@ -296,9 +297,9 @@ def run_demo(
     console.print(f"  {source_dir}")
     console.rule("2. convert")
     manifest = report.timed("convert", lambda: convert(str(source_dir), converted, quiet=False, console=console))
-    converted_bytes = sum(entry["size"] for entry in manifest["output_files"].values())
-    report.facts["source size"] = f"{folder_size(source_dir) / 1e6:.2f} MB ({source_dir})"
-    report.facts["converted size"] = f"{converted_bytes / 1e6:.2f} MB ({converted})"
+    converted_bytes = manifest.output_bytes
+    report.facts["source size"] = f"{decimal(folder_size(source_dir))} ({source_dir})"
+    report.facts["converted size"] = f"{decimal(converted_bytes)} ({converted})"
     console.rule("3. verify bit for bit")
     verified = report.timed("verify", lambda: verify(converted, source=str(source_dir)))
     report.check("verify", True, f"{verified.files_checked} files, {verified.tensors_compared} tensors bit-exact")

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 from rich.console import Group
+from rich.filesize import decimal
 from rich.table import Table
 
 from repack.formats.checkpoint import read_repack_config
-from repack.formats.stacks import MANIFEST_FILE, StackInfo
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+from repack.formats.manifest import Manifest
+from repack.formats.stacks import StackInfo
 
 
 def _word_orders(stacks: list[StackInfo]) -> str:
@@ -28,10 +25,8 @@ def inspect_output(out: str | Path) -> Group:
     out = Path(out)
     config, stacks = read_repack_config(out)
     quant = config["quantization_config"]
-    manifest_path = out / MANIFEST_FILE
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-    source = manifest.get("source") or {}
-    outputs = manifest.get("output_files") or {}
+    manifest = Manifest.read(out)
+    source = manifest.source
 
     summary = Table(title=f"{out}", show_header=False)
     summary.add_column("key", style="bold")
@@ -44,11 +39,12 @@ def inspect_output(out: str | Path) -> Group:
         ("stacks", f"{len(stacks)} ({sum(s.num_experts for s in stacks)} stacked experts)"),
         ("quantization", f"{quant.get('bits')}-bit, group {quant.get('group_size')}, sym={quant.get('sym')}"),
         ("word order", _word_orders(stacks)),
-        ("source", source.get("repo_id") or source.get("path") or "?"),
-        ("revision", source.get("revision") or "-"),
-        ("converter", manifest.get("converter_version", "?")),
-        ("created", manifest.get("created", "?")),
-        ("size", f"{_size(sum(f['size'] for f in outputs.values()))} in {len(outputs)} files"),
+        ("source", source.repo_id or (f"local folder {source.path}" if source.path else "?")),
+        ("base model", source.base_model or "-"),
+        ("revision", source.revision or "-"),
+        ("converter", manifest.converter_version),
+        ("created", manifest.created or "?"),
+        ("size", f"{decimal(manifest.output_bytes)} in {len(manifest.output_files)} files"),
     ]
     for key, value in rows:
         summary.add_row(key, value)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 import torch
+from rich.filesize import decimal
 from rich.table import Table
 
 from repack.families import MoeLayer, detect_family, find_moe_layers
@@ -28,6 +29,7 @@ from repack.formats.stacks import (
     joinable,
     plan_flags,
 )
+from repack.model_files import CopiedFile, select_model_files
 from repack.source import SourceCheckpoint
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
@@ -129,7 +131,8 @@ class Plan:
     family: str
     groups: list[LayerGroup]
     weight_files: list[str]
-    files_to_copy: list[str]
+    files_to_copy: tuple[CopiedFile, ...]
+    files_left_behind: tuple[str, ...] = ()
 
     @property
     def stacks(self) -> list[StackInfo]:
@@ -144,7 +147,7 @@ class Plan:
         return [tensor for group in self.groups for step in group.steps for tensor in step.planned_tensors()]
 
     def copied_file_bytes(self) -> int:
-        return sum((self.source.path / name).stat().st_size for name in self.files_to_copy)
+        return sum((self.source.path / copied.source).stat().st_size for copied in self.files_to_copy)
 
     def describe(self) -> Table:
         """Every output tensor with its shape, dtype, size and sources, then the copied files and totals."""
@@ -157,26 +160,23 @@ class Plan:
                 rows = _rows(step)
                 for tensor in step.planned_tensors():
                     dtype, origin = rows[tensor.name]
-                    shape, size = str(list(tensor.shape)), _size(tensor.nbytes)
+                    shape, size = str(list(tensor.shape)), decimal(tensor.nbytes)
                     table.add_row(group.label, tensor.name, shape, dtype, size, origin)
                     tensors += 1
-        for name in self.files_to_copy:
-            table.add_row("file", name, "", "", _size((self.source.path / name).stat().st_size), "copy")
+        for copied in self.files_to_copy:
+            size = decimal((self.source.path / copied.source).stat().st_size)
+            origin = "copy" if copied.output == copied.source else f"copy of {copied.source}"
+            table.add_row("file", copied.output, "", "", size, origin)
+        for name in self.files_left_behind:
+            table.add_row("file", name, "", "", "", "not copied (--include to copy)")
         table.add_row("file", CONFIG_FILE, "", "", "", "rewritten (quantization_config)")
         table.add_row("file", INDEX_FILE + ", " + MANIFEST_FILE, "", "", "", "written")
         stacks = self.stacks
         table.caption = (
-            f"{tensors} tensors, {_size(self.output_bytes)} of weights; {len(stacks)} stacks "
+            f"{tensors} tensors, {decimal(self.output_bytes)} of weights; {len(stacks)} stacks "
             f"({sum(s.num_experts for s in stacks)} stacked experts), {len(self.files_to_copy)} files copied"
         )
         return table
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 def _stacks_of(step: Step) -> list[PackStack]:
@@ -204,8 +204,12 @@ def _describe_sources(step: PackStack) -> str:
     return f"{len(step.sources)} tensors of {len(modules)} expert(s){chunks}: {first} .. {last}"
 
 
-def build_plan(source: SourceCheckpoint, reader: CheckpointReader) -> Plan:
-    """Plan the conversion of ``source``; raises :class:`RepackError` for anything it cannot convert."""
+def build_plan(
+    source: SourceCheckpoint, reader: CheckpointReader, include: list[str] = (), exclude: list[str] = ()
+) -> Plan:
+    """Plan the conversion of ``source``; raises :class:`RepackError` for anything it cannot convert.
+
+    ``include``/``exclude`` change which of the source's other files are copied (:mod:`repack.model_files`)."""
     where = str(source.path / (source.quantization_config_file or CONFIG_FILE))
     quant = parse_quant_config(source.quantization_config, where)
     family = detect_family(source.config, str(source.path / CONFIG_FILE))
@@ -239,13 +243,15 @@ def build_plan(source: SourceCheckpoint, reader: CheckpointReader) -> Plan:
     skip = {*reader.files, INDEX_FILE, CONFIG_FILE, MANIFEST_FILE}
     # Stray weight files the index does not name would collide with (or pass for) our output shards.
     skip |= {f for f in source.files if _OUTPUT_WEIGHT_FILE.match(f)}
+    selection = select_model_files(source.files, skip, include, exclude)
     return Plan(
         source=source,
         quant=quant,
         family=family.name,
         groups=[groups[label] for _, label in sorted(order)],
         weight_files=list(reader.files),
-        files_to_copy=[f for f in source.files if f not in skip],
+        files_to_copy=selection.copied,
+        files_left_behind=selection.left_behind,
     )
 
 
@@ -257,7 +263,7 @@ def _header_linear(reader: CheckpointReader, module: str) -> GptqLinear:
         return torch.empty(entry.shape, dtype=entry.torch_dtype, device="meta")
 
     g_idx_name = f"{module}.g_idx"
-    g_idx = reader.get(g_idx_name) if g_idx_name in reader else None
+    g_idx = reader.read(g_idx_name) if g_idx_name in reader else None
     return GptqLinear(qweight=meta("qweight"), qzeros=meta("qzeros"), scales=meta("scales"), g_idx=g_idx)
 
 

@@ -4,9 +4,9 @@ The flow, top to bottom:
 1. `check_hub_access`: find the token (argument, `HF_TOKEN`, cached login) and ask the Hub who it belongs
    to, so a missing or rejected token fails in a second, not after hashing gigabytes (and, for
    `repack convert --push`, before converting at all).
-2. `plan_push`: local only. Reads `repack_manifest.json`, verifies every output file's size and sha256
-   against it, renders the card and decides whether OUT/README.md may be (re)written. `--dry-run` stops
-   here and prints the plan.
+2. `plan_push`: local only. Reads the manifest (`Manifest.read`), verifies the size and sha256 of every file it
+   will upload (with a progress bar), renders the card and decides whether OUT/README.md may be (re)written.
+   `--dry-run` stops here and prints the plan.
 3. `create_repo(exist_ok=True)`, then one `upload_folder` restricted to the verified files. huggingface_hub
    2.x resumes an interrupted `upload_folder` by itself; with `--create-pr` we find the open PR this tool
    opened for the same checkpoint (its title is our commit message) and upload to `refs/pr/N` again, since
@@ -21,30 +21,26 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import re
-import sys
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import NoReturn
 
-import typer
-import yaml
 from huggingface_hub import HfApi, get_token
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from repack.card import is_generated_card, render_model_card
-from repack.formats.constants import CARD_FILE, MANIFEST_FILE, SUPPORTED_FORMAT_VERSIONS
+from repack.formats.constants import CARD_FILE, FORMAT_NAME, INDEX_FILE, MANIFEST_FILE
 from repack.formats.errors import RepackError
-from repack.formats.hashing import hash_file
+from repack.formats.manifest import Manifest, check_file
+from repack.model_files import SOURCE_README
+from repack.provenance import checked_repo_id, source_card_data
 
-MANIFEST_NAME = MANIFEST_FILE
 CONFIG_NAME = "config.json"
-CARD_NAME = CARD_FILE
-KNOWN_FORMAT = "repack-moe"
-KNOWN_FORMAT_VERSIONS = SUPPORTED_FORMAT_VERSIONS
 DEFAULT_BRANCH = "main"
 PUSHING = "pushing to"
 
@@ -77,7 +73,7 @@ class PushPlan:
     out_dir: Path
     repo_id: str
     files: tuple[UploadFile, ...]
-    not_uploaded: tuple[str, ...]
+    not_uploaded: tuple[str, ...]  # in OUT, but not verified by the manifest or left out by --include/--exclude
     card: str
     write_card: bool
     commit_message: str
@@ -133,7 +129,7 @@ def check_hub_access(repo_id: str, *, token: str | None = None, api: HfApi | Non
         )
     orgs = tuple(org["name"] for org in identity.get("orgs") or [] if org.get("name"))
     access = HubAccess(token=resolved, user=user, orgs=orgs)
-    _validate_repo_id(access.full_repo_id(repo_id))
+    checked_repo_id(access.full_repo_id(repo_id), "repo id")
     return access
 
 
@@ -143,24 +139,33 @@ def plan_push(
     *,
     force: bool = False,
     speed_table: Path | None = None,
+    base_model: str | None = None,
+    include: list[str] = (),
+    exclude: list[str] = (),
+    commit_message: str | None = None,
+    quiet: bool = True,
 ) -> PushPlan:
     """Verify OUT against its manifest and decide what to upload. Touches no network and writes nothing."""
     out_dir = Path(out_dir)
-    _validate_repo_id(repo_id)
-    manifest, manifest_bytes = _read_manifest(out_dir)
+    checked_repo_id(repo_id, "repo id")
+    if base_model is not None:
+        checked_repo_id(base_model, "--base-model")
+    manifest = Manifest.read(out_dir)
     config = _read_config(out_dir)
-    verified = verify_output_files(out_dir, manifest)
+    selected = select_uploads(manifest, include, exclude)
+    verified = verify_output_files(out_dir, manifest, selected, quiet=quiet)
     existing_card = _read_existing_card(out_dir)
     card = render_model_card(
         manifest,
         config,
         repo_id=repo_id,
         speed_table=_read_speed_table(speed_table),
-        license=_card_license(existing_card),
+        source_card=_source_card(out_dir, existing_card, manifest),
+        base_model=base_model,
     )
     write_card = _may_write_card(out_dir, existing_card, card, manifest, force)
-    card_upload = UploadFile(CARD_NAME, len(card.encode("utf-8")))
-    manifest_upload = UploadFile(MANIFEST_NAME, len(manifest_bytes))
+    card_upload = UploadFile(CARD_FILE, len(card.encode("utf-8")))
+    manifest_upload = UploadFile(MANIFEST_FILE, len(manifest.raw))
     files = (*verified, manifest_upload, card_upload)
     uploaded_names = {upload.name for upload in files}
     return PushPlan(
@@ -170,9 +175,28 @@ def plan_push(
         not_uploaded=tuple(name for name in _files_in(out_dir) if name not in uploaded_names),
         card=card,
         write_card=write_card,
-        commit_message=_commit_message(manifest, manifest_bytes),
+        commit_message=commit_message or _commit_message(manifest),
         commit_description=_commit_description(manifest),
     )
+
+
+def is_required_upload(name: str) -> bool:
+    """Files without which the repo is no checkpoint: config, weights, index (the manifest and card always go)."""
+    return name in (CONFIG_NAME, INDEX_FILE) or name.endswith(".safetensors")
+
+
+def select_uploads(manifest: Manifest, include: list[str] = (), exclude: list[str] = ()) -> list[str]:
+    """The manifest's files to upload, narrowed by ``hf upload``-style ``--include``/``--exclude`` globs.
+
+    Only files the manifest verifies are ever candidates; the checkpoint's own files cannot be left out."""
+    selected = []
+    for name in sorted(manifest.checked_output_files):
+        wanted = (not include or any(fnmatch(name, p) for p in include)) and not any(fnmatch(name, p) for p in exclude)
+        if not wanted and is_required_upload(name):
+            raise RepackError(f"--include/--exclude would leave out {name}, which the checkpoint needs; narrow them")
+        if wanted:
+            selected.append(name)
+    return selected
 
 
 def push_checkpoint(
@@ -188,6 +212,11 @@ def push_checkpoint(
     speed_table: Path | None = None,
     token: str | None = None,
     access: HubAccess | None = None,
+    base_model: str | None = None,
+    include: list[str] = (),
+    exclude: list[str] = (),
+    commit_message: str | None = None,
+    quiet: bool = True,
 ) -> PushResult:
     """Push OUT to `repo_id`: plan (verify + card), then create the repo and upload the verified files.
 
@@ -198,13 +227,22 @@ def push_checkpoint(
             f"--create-pr opens a pull request against the default branch of {repo_id}, "
             f"so it cannot be combined with --revision {revision}: drop one of the two"
         )
+    options = dict(
+        force=force,
+        speed_table=speed_table,
+        base_model=base_model,
+        include=include,
+        exclude=exclude,
+        commit_message=commit_message,
+        quiet=quiet,
+    )
     if dry_run:
-        return PushResult(plan=plan_push(out_dir, repo_id, force=force, speed_table=speed_table), dry_run=True)
+        return PushResult(plan=plan_push(out_dir, repo_id, **options), dry_run=True)
 
     api = api if api is not None else HfApi()
     access = access if access is not None else check_hub_access(repo_id, token=token, api=api)
     full_id = access.full_repo_id(repo_id)
-    plan = plan_push(out_dir, full_id, force=force, speed_table=speed_table)
+    plan = plan_push(out_dir, full_id, **options)
     if plan.write_card:
         _write_card(plan)
     try:
@@ -226,12 +264,13 @@ def push_after_convert(
     create_pr: bool = False,
     speed_table: Path | None = None,
     console: Console | None = None,
+    base_model: str | None = None,
+    quiet: bool = False,
 ) -> PushResult:
     """What `repack convert SRC OUT --push REPO` runs once OUT is complete.
 
-    Call `check_hub_access(REPO, token=...)` before converting and pass its result here. The converter
-    copies the source's README.md into OUT unchanged (its checksum is in the manifest), so the generated
-    card replaces it without `--force`.
+    Call `check_hub_access(REPO, token=...)` before converting and pass its result here. OUT has no README.md
+    yet (the converter keeps the source's card as SOURCE_README.md), so the generated card is written.
     """
     result = push_checkpoint(
         out_dir,
@@ -242,49 +281,11 @@ def push_after_convert(
         create_pr=create_pr,
         speed_table=speed_table,
         access=access,
+        base_model=base_model,
+        quiet=quiet,
     )
     print_result(result, console or Console())
     return result
-
-
-def push_command(
-    out_dir: Annotated[Path, typer.Argument(help="A folder written by `repack convert`.")],
-    repo_id: Annotated[str, typer.Argument(help="Hub repo to push to, e.g. myorg/Qwen2-57B-A14B-repack.")],
-    private: Annotated[bool, typer.Option("--private", help="Create the repo as private.")] = False,
-    revision: Annotated[str, typer.Option("--revision", help="Branch to push to (created if missing).")] = (
-        DEFAULT_BRANCH
-    ),
-    create_pr: Annotated[
-        bool, typer.Option("--create-pr", help="Push into a pull request (re-running resumes the same PR).")
-    ] = False,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print files, sizes and the card; no network, no writes.")
-    ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace a README.md edited by hand in OUT.")] = False,
-    speed_table: Annotated[
-        Path | None, typer.Option("--speed-table", help="Markdown file with measured speeds, put in the card.")
-    ] = None,
-    token: Annotated[
-        str | None, typer.Option("--token", help="Hub token (default: HF_TOKEN, then the cached login).")
-    ] = None,
-) -> None:
-    """Upload a converted checkpoint to the Hugging Face Hub with a generated model card."""
-    try:
-        result = push_checkpoint(
-            out_dir,
-            repo_id,
-            private=private,
-            revision=revision,
-            create_pr=create_pr,
-            dry_run=dry_run,
-            force=force,
-            speed_table=speed_table,
-            token=token,
-        )
-    except RepackError as error:  # one line and a non-zero exit, however the CLI registers this command
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        raise typer.Exit(error.exit_code) from None
-    print_result(result, Console())
 
 
 def print_result(result: PushResult, console: Console) -> None:
@@ -293,7 +294,7 @@ def print_result(result: PushResult, console: Console) -> None:
     if not result.dry_run:
         where = result.pr_url or result.commit_url or f"https://huggingface.co/{plan.repo_id}"
         console.print(
-            f"pushed {len(plan.files)} files ({_human_size(plan.total_bytes)}) to {plan.repo_id}"
+            f"pushed {len(plan.files)} files ({decimal(plan.total_bytes)}) to {plan.repo_id}"
             f" @ {result.revision}: {where}",
             markup=False,
             highlight=False,
@@ -304,50 +305,42 @@ def print_result(result: PushResult, console: Console) -> None:
     table.add_column("file")
     table.add_column("size", justify="right")
     for upload in plan.files:
-        table.add_row(upload.name, _human_size(upload.size))
-    table.add_row(f"{len(plan.files)} files", _human_size(plan.total_bytes))
+        table.add_row(upload.name, decimal(upload.size))
+    table.add_row(f"{len(plan.files)} files", decimal(plan.total_bytes))
     console.print(table)
     if plan.not_uploaded:
         skipped = ", ".join(plan.not_uploaded)
-        console.print(f"not uploaded (not in the manifest): {skipped}", markup=False, soft_wrap=True)
+        console.print(f"not uploaded (not in the manifest, or left out): {skipped}", markup=False, soft_wrap=True)
     card_note = "would write" if plan.write_card else "unchanged"
-    console.print(f"{CARD_NAME} ({card_note}):", markup=False)
+    console.print(f"{CARD_FILE} ({card_note}):", markup=False)
     console.print(plan.card, markup=False, highlight=False, soft_wrap=True)  # exact text, never re-wrapped
 
 
-def verify_output_files(out_dir: Path, manifest: dict) -> list[UploadFile]:
-    """Check every file the manifest lists (except README.md, which push owns) by size and sha256.
+def verify_output_files(out_dir: Path, manifest: Manifest, names: list[str], quiet: bool = True) -> list[UploadFile]:
+    """Check the files ``names`` against the manifest by size and sha256, with a progress bar unless ``quiet``.
 
     A push must never publish a checkpoint that changed since conversion; the error names the file.
     """
-    entries = manifest.get("output_files")
-    if not isinstance(entries, dict) or not entries:
-        raise RepackError(
-            f"{out_dir / MANIFEST_NAME} lists no output_files: re-run `repack convert` to rewrite the folder"
-        )
-    verified = []
-    for name in sorted(entries):
-        if name == CARD_NAME:
-            continue
-        entry = entries[name]
-        path = _contained_path(out_dir, name)
-        if not path.is_file():
-            raise RepackError(
-                f"{path} is listed in {MANIFEST_NAME} but missing: re-run `repack convert` or restore the file"
-            )
-        size = path.stat().st_size
-        if size != entry.get("size"):
-            raise RepackError(
-                f"{path} has {size} bytes but {MANIFEST_NAME} says {entry.get('size')}: the file changed "
-                "or is truncated; re-run `repack convert`"
-            )
-        if hash_file(path)[0] != entry.get("sha256"):
-            raise RepackError(
-                f"{path} does not match its sha256 in {MANIFEST_NAME}: the file changed or is corrupt; "
-                "re-run `repack convert`"
-            )
-        verified.append(UploadFile(name, size))
-    return verified
+    records = manifest.checked_output_files
+    with hashing_progress(quiet) as progress:
+        task = progress.add_task("verifying", total=sum(records[name].size for name in names))
+        for name in names:
+            progress.update(task, description=f"verifying {name}")
+            check_file(out_dir, name, records[name], on_read=lambda n: progress.advance(task, n))
+    return [UploadFile(name, records[name].size) for name in names]
+
+
+def hashing_progress(quiet: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=quiet,
+        transient=True,
+    )
 
 
 def find_resumable_pr(api: HfApi, repo_id: str, access: HubAccess, title: str) -> str | None:
@@ -451,35 +444,6 @@ def _upload(
     )
 
 
-def _validate_repo_id(repo_id: str) -> None:
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        reason = " ".join(str(error).split())
-        raise RepackError(f"'{repo_id}' is not a valid Hub repo id ({reason}): use namespace/name") from error
-
-
-def _read_manifest(out_dir: Path) -> tuple[dict, bytes]:
-    path = out_dir / MANIFEST_NAME
-    if not out_dir.is_dir():
-        raise RepackError(f"{out_dir} is not a folder: pass the OUT folder written by `repack convert`")
-    if not path.is_file():
-        raise RepackError(f"{path} not found: {out_dir} is not a finished `repack convert` output; convert it first")
-    raw = path.read_bytes()
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RepackError(f"{path} is not valid JSON ({error.msg if hasattr(error, 'msg') else error})") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != KNOWN_FORMAT:
-        raise RepackError(f"{path} does not describe a {KNOWN_FORMAT} checkpoint: convert with `repack convert`")
-    if manifest.get("format_version") not in KNOWN_FORMAT_VERSIONS:
-        raise RepackError(
-            f"{path} has format_version {manifest.get('format_version')}, this repack knows "
-            f"{list(KNOWN_FORMAT_VERSIONS)}: upgrade moe-repack"
-        )
-    return manifest, raw
-
-
 def _read_config(out_dir: Path) -> dict:
     path = out_dir / CONFIG_NAME
     try:
@@ -488,7 +452,8 @@ def _read_config(out_dir: Path) -> dict:
         raise RepackError(f"{path} not found: re-run `repack convert`") from error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RepackError(f"{path} is not valid JSON: re-run `repack convert`") from error
-    quant_method = (config.get("quantization_config") or {}).get("quant_method")
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    quant_method = quant.get("quant_method") if isinstance(quant, dict) else None
     if quant_method != "repack":
         raise RepackError(
             f"{path} has quant_method {quant_method!r}, not 'repack': push folders written by `repack convert`"
@@ -510,7 +475,7 @@ def _read_speed_table(path: Path | None) -> str | None:
 
 
 def _read_existing_card(out_dir: Path) -> str | None:
-    path = out_dir / CARD_NAME
+    path = out_dir / CARD_FILE
     if not path.is_file():
         return None
     try:
@@ -519,7 +484,7 @@ def _read_existing_card(out_dir: Path) -> str | None:
         raise RepackError(f"{path} is not UTF-8 text: move it away or pass --force to replace it") from error
 
 
-def _may_write_card(out_dir: Path, existing: str | None, card: str, manifest: dict, force: bool) -> bool:
+def _may_write_card(out_dir: Path, existing: str | None, card: str, manifest: Manifest, force: bool) -> bool:
     """Write unless OUT holds a README.md that a person wrote or edited (then refuse without --force).
 
     Not edited: no README yet, our own unedited card (marker checksum matches), or the source's card as the
@@ -532,63 +497,44 @@ def _may_write_card(out_dir: Path, existing: str | None, card: str, manifest: di
     if force or is_generated_card(existing) or _is_converter_copy(existing, manifest):
         return True
     raise RepackError(
-        f"{out_dir / CARD_NAME} was edited by hand (not the card repack generates): "
+        f"{out_dir / CARD_FILE} was edited by hand (not the card repack generates): "
         "pass --force to replace it with the generated card, or move it away"
     )
 
 
-def _is_converter_copy(existing: str, manifest: dict) -> bool:
-    entry = (manifest.get("output_files") or {}).get(CARD_NAME) or {}
-    return entry.get("sha256") == hashlib.sha256(existing.encode("utf-8")).hexdigest()
+def _is_converter_copy(existing: str, manifest: Manifest) -> bool:
+    """A README.md an older converter copied from the source (its checksum is still the manifest's)."""
+    record = manifest.output_files.get(CARD_FILE)
+    return record is not None and record.sha256 == hashlib.sha256(existing.encode("utf-8")).hexdigest()
 
 
-def _card_license(existing: str | None) -> str | None:
-    """Carry the license over from the README in OUT (the source's card, or our earlier one)."""
-    if existing is None:
-        return None
-    match = re.match(r"---\n(.*?)\n---\n", existing, flags=re.DOTALL)
-    if match is None:
-        return None
-    try:
-        metadata = yaml.safe_load(match.group(1))
-    except yaml.YAMLError:
-        return None
-    license_id = metadata.get("license") if isinstance(metadata, dict) else None
-    return license_id if isinstance(license_id, str) else None
+def _source_card(out_dir: Path, existing: str | None, manifest: Manifest) -> dict:
+    """The source card's metadata: SOURCE_README.md, or a README.md an older converter copied from the source."""
+    if (out_dir / SOURCE_README).is_file():
+        return source_card_data(out_dir, SOURCE_README)
+    if existing is not None and _is_converter_copy(existing, manifest):
+        return source_card_data(out_dir, CARD_FILE)
+    return {}
 
 
 def _write_card(plan: PushPlan) -> None:
-    path = plan.out_dir / CARD_NAME
+    path = plan.out_dir / CARD_FILE
     try:
         path.write_text(plan.card, encoding="utf-8")
     except OSError as error:
         raise RepackError(f"cannot write {path} ({error.strerror}): make {plan.out_dir} writable") from error
 
 
-def _commit_message(manifest: dict, manifest_bytes: bytes) -> str:
+def _commit_message(manifest: Manifest) -> str:
     """Names the checkpoint exactly (manifest checksum), so a resumed `--create-pr` finds its own PR."""
-    source = manifest.get("source") or {}
-    origin = source.get("repo_id") or "a local checkpoint"
-    revision = source.get("revision")
-    if revision:
-        origin = f"{origin}@{str(revision)[:12]}"
-    digest = hashlib.sha256(manifest_bytes).hexdigest()[:12]
-    return f"Upload {KNOWN_FORMAT} v{manifest['format_version']} of {origin} (manifest {digest})"
+    origin = manifest.source.repo_id or "a local checkpoint"
+    if manifest.source.revision:
+        origin = f"{origin}@{manifest.source.revision[:12]}"
+    return f"Upload {FORMAT_NAME} v{manifest.format_version} of {origin} (manifest {manifest.digest[:12]})"
 
 
-def _commit_description(manifest: dict) -> str:
-    return (
-        f"Converted by moe-repack {manifest.get('converter_version', 'unknown')}; "
-        f"checksums of every file in {MANIFEST_NAME}."
-    )
-
-
-def _contained_path(out_dir: Path, name: str) -> Path:
-    """A manifest entry must name a file inside OUT; `..` or an absolute path would upload something else."""
-    path = out_dir / name
-    if Path(name).is_absolute() or ".." in Path(name).parts:
-        raise RepackError(f"{out_dir / MANIFEST_NAME} names a file outside the folder ({name!r}): re-run convert")
-    return path
+def _commit_description(manifest: Manifest) -> str:
+    return f"Converted by moe-repack {manifest.converter_version}; checksums of every file in {MANIFEST_FILE}."
 
 
 def _files_in(out_dir: Path) -> list[str]:
@@ -599,14 +545,3 @@ def _files_in(out_dir: Path) -> list[str]:
         if path.is_file() and not any(part.startswith(".") for part in relative.parts):
             names.append(relative.as_posix())
     return names
-
-
-def _human_size(size: int) -> str:
-    if size < 1000:
-        return f"{size} B"
-    value = float(size)
-    for unit in ("KB", "MB", "GB"):
-        value /= 1000
-        if value < 1000:
-            return f"{value:.2f} {unit}"
-    return f"{value / 1000:.2f} TB"

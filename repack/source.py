@@ -37,12 +37,6 @@ class SourceCheckpoint:
     def label(self) -> str:
         return self.repo_id or str(self.path)
 
-    def provenance(self) -> dict:
-        """The manifest's ``source`` entry."""
-        if self.repo_id:
-            return {"repo_id": self.repo_id, "revision": self.revision}
-        return {"path": str(self.path.resolve()), "revision": None}
-
 
 def list_files(folder: Path) -> list[str]:
     """Every regular file under ``folder``, skipping hidden entries; a link out of the folder is refused.

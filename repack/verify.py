@@ -16,7 +16,8 @@ import torch
 from repack.formats.checkpoint import CheckpointReader, read_repack_config
 from repack.formats.errors import RepackError
 from repack.formats.hashing import hash_file
-from repack.formats.integrity import check_output_files, read_manifest
+from repack.formats.integrity import check_output_files
+from repack.formats.manifest import Manifest
 from repack.formats.paths import contained_child
 from repack.formats.stacks import MANIFEST_FILE, split_by_source, unpack_stack
 from repack.source import resolve_source
@@ -31,13 +32,13 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
 
 
-def check_source_files(src_folder: Path, manifest: dict, report: VerifyReport) -> None:
-    for name, expected in (manifest.get("source_files") or {}).items():
+def check_source_files(src_folder: Path, manifest: Manifest, report: VerifyReport) -> None:
+    for name, record in manifest.source_files.items():
         path = contained_child(src_folder, name, f"{MANIFEST_FILE} source_files")
         if not path.is_file():
             raise RepackError(f"{path}: source file recorded in {MANIFEST_FILE} is missing from the source")
         sha, _ = hash_file(path)
-        if sha != expected.get("sha256"):
+        if sha != record.sha256:
             raise RepackError(
                 f"{path}: sha256 differs from the manifest; the source changed since conversion (wrong --source "
                 "or --revision?)"
@@ -70,7 +71,7 @@ def check_tensors(out: Path, src_folder: Path, report: VerifyReport) -> None:
             for name, tensor in unpack_stack(expert_info, stored).items():
                 if name not in source:
                     raise RepackError(f"{out}: stack {info.prefix} rebuilds {name}, which the source does not have")
-                original = source.get(name)
+                original = source.read(name)
                 if not same_bits(tensor, original):
                     raise RepackError(
                         f"{out}: stack {info.prefix} does not rebuild source tensor {name} bit for bit "
@@ -84,7 +85,7 @@ def check_tensors(out: Path, src_folder: Path, report: VerifyReport) -> None:
             continue
         if name not in source:
             raise RepackError(f"{out}: tensor {name} is not in the source {src_folder}; wrong --source?")
-        if not same_bits(output.get(name), source.get(name)):
+        if not same_bits(output.read(name), source.read(name)):
             raise RepackError(f"{out}: copied tensor {name} differs from the source; the output is corrupt, re-convert")
         covered.add(name)
         report.tensors_compared += 1
@@ -98,11 +99,11 @@ def verify(out: str | Path, source: str | None = None, revision: str | None = No
     if not out.is_dir():
         raise RepackError(f"{out}: no such folder; pass the output folder of repack convert")
     report = VerifyReport()
-    manifest = read_manifest(out)
+    manifest = Manifest.read(out)
     report.files_checked += check_output_files(out, manifest)
     if source is not None:
         src = resolve_source(source, revision)
-        recorded = (manifest.get("source") or {}).get("revision")
+        recorded = manifest.source.revision
         if src.revision and recorded and src.revision != recorded:
             raise RepackError(
                 f"{source}: resolves to revision {src.revision} but {out} was converted from {recorded}; "

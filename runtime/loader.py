@@ -26,7 +26,8 @@ from repack.formats.checkpoint import (
 )
 from repack.formats.errors import RepackError
 from repack.formats.hub import download_snapshot, looks_like_repo_id
-from repack.formats.integrity import check_output_files, read_manifest
+from repack.formats.integrity import check_output_files
+from repack.formats.manifest import Manifest
 from repack.formats.stacks import ROUTED, SHARED, StackInfo
 from repack.runtime.kernels.backend import check_kernel_backend
 from repack.runtime.moe_block import MoeBlock, block_prefix, resolve_shared_mode
@@ -326,12 +327,12 @@ def resolve_checkpoint_folder(path: str | os.PathLike, revision: str | None) -> 
 
 def verify_files(folder: Path, config: dict) -> None:
     """Every file against the manifest's sha256, and the manifest of this conversion (formats.integrity)."""
-    manifest = read_manifest(folder)
+    manifest = Manifest.read(folder)
     check_output_files(folder, manifest)
     expected = (config.get("quantization_config") or {}).get(CONVERSION_ID_KEY)
-    if manifest.get(CONVERSION_ID_KEY) != expected:
+    if manifest.conversion_id != expected:
         raise RepackError(
-            f"{folder}: the manifest belongs to conversion {manifest.get(CONVERSION_ID_KEY)!r} but config.json to "
+            f"{folder}: the manifest belongs to conversion {manifest.conversion_id!r} but config.json to "
             f"{expected!r}; the folder mixes two conversions, re-convert"
         )
 

@@ -52,7 +52,15 @@ from repack.formats.checkpoint import TensorEntry, read_safetensors_header
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqFormatError, GptqLinear
 from repack.formats.quant_config import parse_quant_config
-from repack.formats.stacks import FORMAT_NAME, QUANT_METHOD, ROUTED, SHARED, SUPPORTED_FORMAT_VERSIONS, StackInfo
+from repack.formats.stacks import (
+    FORMAT_NAME,
+    QUANT_METHOD,
+    ROUTED,
+    SHARED,
+    SUPPORTED_FORMAT_VERSIONS,
+    StackInfo,
+    StackInfoError,
+)
 from repack.runtime.kernels.backend import check_kernel_backend
 from repack.runtime.loader import load
 from repack.runtime.moe_block import ACTIVATION_DTYPES, MoeBlock
@@ -97,7 +105,7 @@ class RepackQuantConfig(QuantizationConfigMixin):
     def stack_infos(self) -> list[StackInfo]:
         try:
             return [StackInfo.from_json(stack) for stack in self.__dict__.get("stacks", [])]
-        except TypeError as error:
+        except StackInfoError as error:
             raise RepackError(
                 f"config.json quantization_config.stacks: malformed stack entry ({error}); re-run `repack convert`"
             ) from None
@@ -199,7 +207,7 @@ def gptq_linear(name: str, tensors: dict[str, torch.Tensor], scheme, in_features
 
     try:
         linear = GptqW4A16Linear(GptqLinear(**tensors), scheme, name=name)
-    except (GptqFormatError, TypeError) as error:
+    except (GptqFormatError, TypeError) as error:  # TypeError: a missing or unexpected GPTQ tensor
         raise RepackError(f"{name}: {error}; re-run `repack convert`") from None
     if (linear.in_features, linear.out_features) != (in_features, out_features):
         raise RepackError(

@@ -3,6 +3,7 @@ working load snippets, and a marker that tells a generated card from an edited o
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import yaml
 from markdown_it import MarkdownIt
 
 from repack.card import is_generated_card, render_model_card
+from repack.formats.manifest import Manifest
 
 SOURCE_FILES = {
     "config.json": {"sha256": "a" * 64, "size": 1234},
@@ -19,8 +21,8 @@ SOURCE_FILES = {
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
-def hub_manifest() -> dict:
-    return {
+def hub_manifest(**source) -> Manifest:
+    data = {
         "format": "repack-moe",
         "format_version": 2,
         "converter_version": "0.1.0",
@@ -29,6 +31,9 @@ def hub_manifest() -> dict:
         "output_files": {"config.json": {"sha256": "d" * 64, "size": 99}},
         "created": "2025-01-02T03:04:05Z",
     }
+    if source:
+        data["source"] = source
+    return Manifest.parse(json.dumps(data).encode())
 
 
 def repack_config(act_order: bool = False) -> dict:
@@ -96,7 +101,7 @@ def test_body_states_format_source_revision_and_every_source_checksum():
     assert "GPTQ int4, group size 128, symmetric" in body
     assert f"`{REVISION}`" in body
     for name, entry in SOURCE_FILES.items():
-        row = f"| `{name}` | {entry['size']} | `{entry['sha256']}` |"
+        row = f"| {name.replace('_', chr(92) + '_')} | {entry['size']} | `{entry['sha256']}` |"
         assert row in body
     tokens = MarkdownIt("commonmark").enable("table").parse(body)
     assert sum(token.type == "table_open" for token in tokens) == 2  # format table + checksum table
@@ -125,20 +130,60 @@ def test_speed_table_is_embedded_only_when_given():
     assert sum(token.type == "table_open" for token in tokens) == 3
 
 
-def test_local_source_has_no_base_model_but_names_the_folder():
-    manifest = hub_manifest()
-    manifest["source"] = {"path": "/data/my-gptq-moe", "revision": None}
-    metadata, body = split_card(render_model_card(manifest, repack_config(), repo_id="o/r", speed_table=None))
+def test_local_source_has_no_base_model_and_never_publishes_its_path():
+    manifest = hub_manifest(path="/data/my-gptq-moe", revision=None)
+    card = render_model_card(manifest, repack_config(), repo_id="o/r", speed_table=None)
+    metadata, body = split_card(card)
     assert "base_model" not in metadata and "base_model_relation" not in metadata
-    assert "`/data/my-gptq-moe`" in body
+    assert "/data" not in card and "my-gptq-moe" not in card
+    assert "a local folder (its path is not published)" in body
+
+
+def test_local_source_with_a_known_base_model_links_it():
+    manifest = hub_manifest(path="my-gptq-moe", revision=None, base_model="Qwen/Qwen2-57B-A14B")
+    metadata, body = split_card(render_model_card(manifest, repack_config(), repo_id="o/r", speed_table=None))
+    assert metadata["base_model"] == "Qwen/Qwen2-57B-A14B"
+    assert metadata["base_model_relation"] == "quantized"
+    assert "[Qwen/Qwen2-57B-A14B](https://huggingface.co/Qwen/Qwen2-57B-A14B)" in body
+    override = render_model_card(manifest, repack_config(), repo_id="o/r", speed_table=None, base_model="a/b")
+    assert split_card(override)[0]["base_model"] == "a/b"
+
+
+def test_source_card_license_language_and_tags_carry_over():
+    source_card = {"license": "other", "license_name": "qwen", "language": ["en", "zh"], "tags": ["chat", "moe"]}
+    card = render_model_card(hub_manifest(), repack_config(), repo_id="o/r", speed_table=None, source_card=source_card)
+    metadata, _ = split_card(card)
+    assert metadata["license"] == "other" and metadata["license_name"] == "qwen"
+    assert metadata["language"] == ["en", "zh"]
+    assert metadata["tags"] == ["chat", "moe", "gptq", "int4", "repack"]
+
+
+def test_source_names_cannot_inject_markup_into_the_card():
+    """Architecture names and source file names are untrusted: no heading, link, HTML or code span escapes."""
+    hostile = "</td><script>alert(1)</script>\n# Pwned [click](https://evil.example) `x` <img src=x>"
+    config = repack_config()
+    config["architectures"] = [hostile]
+    data = json.loads(hub_manifest().raw)
+    data["source_files"] = {hostile.replace("/", "_"): {"sha256": "f" * 64, "size": 1}}
+    manifest = Manifest.parse(json.dumps(data).encode())
+    _, body = split_card(render_model_card(manifest, config, repo_id="o/r", speed_table=None))
+    tokens = MarkdownIt("commonmark").enable("table").parse(body)
+    inline = [child for token in tokens for child in (token.children or [])]
+    html = [t.content for t in [*tokens, *inline] if t.type in ("html_block", "html_inline")]
+    assert all(part.startswith(("<details>", "</details>", "<!-- repack-card")) for part in html), html
+    assert [t.content for t in tokens if t.type == "inline" and "Pwned" in t.content]  # shown, as text
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert not any("Pwned" in heading for heading in headings)
+    links = [t.attrGet("href") for t in inline if t.type == "link_open"]
+    assert "https://evil.example" not in links
 
 
 def test_license_and_act_order_are_reported():
     card = render_model_card(
-        hub_manifest(), repack_config(act_order=True), repo_id="o/r", speed_table=None, license="apache-2.0"
+        hub_manifest(), repack_config(act_order=True), repo_id="o/r", speed_table=None, source_card={"license": "mit"}
     )
     metadata, body = split_card(card)
-    assert metadata["license"] == "apache-2.0"
+    assert metadata["license"] == "mit"
     assert "| act-order | resolved at conversion |" in body
     assert "| shared expert | stored as 8 routed-size chunk(s) |" in body
 

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 import repack.push as push_module
 from repack.cli import app
-from tests.cli.test_push import TOKEN, FakeHub, upload_call
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.hub_client import TOKEN, FakeHub, upload_call
 
 SOURCE = FIXTURES_DIR / "qwen3moe-g128-sym"
 

@@ -121,5 +121,5 @@ def test_stack_tensor_dtypes(tmp_path):
     out = tmp_path / "out"
     convert(str(FIXTURES[2]), out, quiet=True)
     reader = CheckpointReader(out)
-    assert reader.get("model.layers.0.mlp.experts.w13_qweight").dtype == torch.int32
-    assert reader.get("model.layers.0.mlp.experts.w13_scales").dtype == torch.float16
+    assert reader.read("model.layers.0.mlp.experts.w13_qweight").dtype == torch.int32
+    assert reader.read("model.layers.0.mlp.experts.w13_scales").dtype == torch.float16

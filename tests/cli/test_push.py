@@ -1,14 +1,13 @@
 """`repack push` without network: a fake Hub client records every call, and the tests assert them exactly.
 
 The checkpoint folders here are built by hand in the shape SPEC section 5 describes (shards, index, config
-with the repack quantization_config, the source's README copied through, repack_manifest.json with the
+with the repack quantization_config, the source's README kept as SOURCE_README.md, repack_manifest.json with the
 sha256 of every file), so these tests do not depend on the converter.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import socket
@@ -17,16 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
 import yaml
-from huggingface_hub import CommitInfo, Discussion
-from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import repack.push as push_module
 from repack.card import is_generated_card
+from repack.cli import app
 from repack.formats.errors import RepackError
 from repack.push import (
     HubAccess,
@@ -34,13 +32,10 @@ from repack.push import (
     plan_push,
     push_after_convert,
     push_checkpoint,
-    push_command,
 )
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.hub_client import HTTP, TOKEN, FakeHub, NoNetwork, http_error, pull_request, upload_call
 
-# huggingface_hub's HTTP client (httpx in 1.x, httpx2 in 2.x): its errors are what the Hub client raises.
-HTTP = importlib.import_module(HfHubHTTPError.__mro__[1].__module__.split(".")[0])
-TOKEN = "hf_test_token"
 SOURCE_REPO = "Qwen/Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4"
 SOURCE_REVISION = "f" * 40
 SOURCE_CARD = "---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n\n# Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4\n"
@@ -51,8 +46,9 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build_checkpoint(out: Path, *, source: dict | None = None) -> Path:
-    """A small repack-moe v1 folder as `repack convert` leaves it, manifest included."""
+def build_checkpoint(out: Path, *, source: dict | None = None, source_card: str = "SOURCE_README.md") -> Path:
+    """A small repack-moe v1 folder as `repack convert` leaves it, manifest included (older converters copied the
+    source's card as README.md: ``source_card="README.md"``)."""
     out.mkdir(parents=True)
     config = {
         "architectures": ["Qwen2MoeForCausalLM"],
@@ -74,8 +70,8 @@ def build_checkpoint(out: Path, *, source: dict | None = None) -> Path:
     index = {"weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
     (out / "tokenizer.json").write_text('{"version": "1.0"}\n')
-    (out / "README.md").write_text(SOURCE_CARD)
-    output_names = ["config.json", *SHARDS, "model.safetensors.index.json", "tokenizer.json", "README.md"]
+    (out / source_card).write_text(SOURCE_CARD)
+    output_names = ["config.json", *SHARDS, "model.safetensors.index.json", "tokenizer.json", source_card]
     manifest = {
         "format": "repack-moe",
         "format_version": 1,
@@ -93,84 +89,13 @@ def build_checkpoint(out: Path, *, source: dict | None = None) -> Path:
 
 def expected_patterns() -> list[str]:
     """Every manifest file except README.md (sorted, as verified), then the manifest, then our card."""
-    listed = sorted(["config.json", *SHARDS, "model.safetensors.index.json", "tokenizer.json"])
+    listed = sorted(["config.json", *SHARDS, "model.safetensors.index.json", "tokenizer.json", "SOURCE_README.md"])
     return [*listed, "repack_manifest.json", "README.md"]
 
 
 def expected_commit_message(out: Path) -> str:
     digest = sha256_of(out / "repack_manifest.json")[:12]
     return f"Upload repack-moe v1 of {SOURCE_REPO}@{SOURCE_REVISION[:12]} (manifest {digest})"
-
-
-def http_error(status: int, reason: str) -> HfHubHTTPError:
-    request = HTTP.Request("POST", "https://huggingface.co/api/repos/create")
-    response = HTTP.Response(status, request=request, extensions={"reason_phrase": reason.encode()})
-    return HfHubHTTPError(f"{status} Client Error: {reason}", response=response)
-
-
-def pull_request(num: int, title: str, *, status: str = "open", author: str = "me") -> Discussion:
-    return Discussion(
-        title=title,
-        status=status,
-        num=num,
-        repo_id="me/model",
-        repo_type="model",
-        author=author,
-        is_pull_request=True,
-        created_at=None,
-        endpoint="https://huggingface.co",
-    )
-
-
-class FakeHub:
-    """Stands in for `HfApi`: records `(method, args, kwargs)`; `fail[method]` makes that method raise."""
-
-    def __init__(self, *, discussions: list[Discussion] | None = None, role: str = "write") -> None:
-        self.calls: list[tuple[str, tuple, dict]] = []
-        self.fail: dict[str, BaseException] = {}
-        self.discussions = discussions or []
-        self.role = role
-
-    def _record(self, method: str, args: tuple, kwargs: dict) -> None:
-        self.calls.append((method, args, kwargs))
-        if method in self.fail:
-            raise self.fail[method]
-
-    def whoami(self, *args, **kwargs) -> dict:
-        self._record("whoami", args, kwargs)
-        return {"name": "me", "orgs": [{"name": "myorg"}], "auth": {"accessToken": {"role": self.role}}}
-
-    def create_repo(self, *args, **kwargs) -> str:
-        self._record("create_repo", args, kwargs)
-        return f"https://huggingface.co/{args[0]}"
-
-    def create_branch(self, *args, **kwargs) -> None:
-        self._record("create_branch", args, kwargs)
-
-    def get_repo_discussions(self, *args, **kwargs):
-        self._record("get_repo_discussions", args, kwargs)
-        return iter(self.discussions)
-
-    def upload_folder(self, *args, **kwargs) -> CommitInfo:
-        self._record("upload_folder", args, kwargs)
-        pr_url = "https://huggingface.co/me/model/discussions/3" if kwargs.get("create_pr") else None
-        return CommitInfo(
-            commit_url="https://huggingface.co/me/model/commit/abc",
-            commit_message=kwargs["commit_message"],
-            commit_description="",
-            oid="abc",
-            pr_url=pr_url,
-        )
-
-    def method_names(self) -> list[str]:
-        return [method for method, _, _ in self.calls]
-
-
-class NoNetwork:
-    """Any attribute access fails the test: proves a code path never talks to the Hub."""
-
-    def __getattr__(self, name: str):
-        raise AssertionError(f"the Hub client was used ({name}) where no network is allowed")
 
 
 @pytest.fixture
@@ -196,12 +121,6 @@ def assert_one_line(error: RepackError, *fragments: str) -> None:
         assert fragment in message, message
 
 
-def upload_call(hub: FakeHub) -> dict:
-    uploads = [kwargs for method, _, kwargs in hub.calls if method == "upload_folder"]
-    assert len(uploads) == 1
-    return uploads[0]
-
-
 def test_push_to_main_makes_exactly_these_calls(out: Path):
     hub = FakeHub()
     result = push_checkpoint(out, "model", api=hub, token=TOKEN)
@@ -225,7 +144,10 @@ def test_push_to_main_makes_exactly_these_calls(out: Path):
     assert result.revision == "main" and result.commit_url.endswith("/commit/abc")
 
 
-def test_push_replaces_the_copied_source_card_and_keeps_its_license(out: Path):
+@pytest.mark.parametrize("source_card", ["SOURCE_README.md", "README.md"])
+def test_push_writes_the_card_and_keeps_the_source_cards_license(tmp_path: Path, source_card: str):
+    """From the source card kept as SOURCE_README.md, or (older outputs) copied as README.md, which is replaced."""
+    out = build_checkpoint(tmp_path / "out", source_card=source_card)
     push_checkpoint(out, "myorg/model", api=FakeHub(), token=TOKEN)
     card = (out / "README.md").read_text()
     assert is_generated_card(card)
@@ -306,15 +228,13 @@ def test_dry_run_touches_no_network_and_writes_nothing(out: Path, no_cached_toke
 
 
 def test_dry_run_command_prints_files_sizes_and_the_card(out: Path, no_cached_token: None):
-    app = typer.Typer()
-    app.command()(push_command)
-    result = CliRunner().invoke(app, [str(out), "myorg/model", "--dry-run"], terminal_width=200)
+    result = CliRunner().invoke(app, ["push", "myorg/model", str(out), "--dry-run"], terminal_width=200)
     assert result.exit_code == 0, result.output
     for name in expected_patterns():
         assert name in result.output
     shard_size = (out / SHARDS[0]).stat().st_size
-    assert f"{shard_size} B" in result.output
-    narrow = CliRunner().invoke(app, [str(out), "myorg/model", "--dry-run"], terminal_width=60)
+    assert f"{shard_size} bytes" in result.output
+    narrow = CliRunner().invoke(app, ["push", "myorg/model", str(out), "--dry-run"], terminal_width=60)
     card = plan_push(out, "myorg/model").card
     assert card in narrow.output  # printed verbatim: long lines are not re-wrapped to the terminal
 
@@ -323,13 +243,11 @@ def test_command_pushes_with_the_token_from_the_environment(out: Path, monkeypat
     hub = FakeHub()
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(push_module, "HfApi", lambda: hub)
-    app = typer.Typer()
-    app.command()(push_command)
-    result = CliRunner().invoke(app, [str(out), "myorg/model", "--private"], terminal_width=200)
+    result = CliRunner().invoke(app, ["push", str(out), "myorg/model", "--private"], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert hub.calls[0] == ("whoami", (), {"token": TOKEN})
     assert upload_call(hub)["repo_id"] == "myorg/model"
-    assert "pushed 7 files" in result.output
+    assert "pushed 8 files" in result.output
 
 
 def test_missing_token_is_one_line_before_any_network(out: Path, no_cached_token: None):
@@ -402,7 +320,7 @@ def test_corrupt_shard_is_refused_before_creating_the_repo(out: Path):
         push_checkpoint(out, "me/model", api=hub, token=TOKEN)
     assert_one_line(error.value, SHARDS[1], "sha256", "repack convert")
     assert hub.method_names() == ["whoami"]
-    assert (out / "README.md").read_text() == SOURCE_CARD
+    assert not (out / "README.md").exists()
 
 
 def test_truncated_and_missing_files_are_refused(out: Path):
@@ -434,7 +352,7 @@ def test_not_a_converted_folder_is_refused(tmp_path: Path):
     assert_one_line(no_manifest.value, "repack_manifest.json not found", "repack convert")
     with pytest.raises(RepackError) as no_folder:
         plan_push(tmp_path / "nowhere", "me/model")
-    assert_one_line(no_folder.value, "is not a folder")
+    assert_one_line(no_folder.value, "no such folder")
 
 
 def test_unknown_format_version_is_refused(out: Path):
@@ -522,18 +440,16 @@ def test_allow_patterns_select_exactly_the_planned_files(out: Path):
     (out / "notes.txt").write_text("scratch")
     (out / "model-00001-of-00002.safetensors.bak").write_text("old")
     plan = plan_push(out, "me/model")
-    on_disk = sorted(path.name for path in out.iterdir())
+    on_disk = sorted([*(path.name for path in out.iterdir()), "README.md"])  # the card is written at upload
     selected = list(filter_repo_objects(on_disk, allow_patterns=plan.allow_patterns))
     assert sorted(selected) == sorted(upload.name for upload in plan.files)
 
 
 def test_command_error_is_one_line_on_stderr_with_a_nonzero_exit(tmp_path: Path):
-    app = typer.Typer()
-    app.command()(push_command)
-    result = CliRunner().invoke(app, [str(tmp_path / "missing"), "me/model", "--dry-run"])
+    result = CliRunner().invoke(app, ["push", "me/model", str(tmp_path / "missing"), "--dry-run"])
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
-    assert "is not a folder" in result.stderr
+    assert "no such folder" in result.stderr
 
 
 def test_push_of_a_real_conversion(tmp_path: Path):
@@ -544,7 +460,7 @@ def test_push_of_a_real_conversion(tmp_path: Path):
     manifest = convert(str(FIXTURES_DIR / "qwen3moe-g128-sym"), out, shard_size="200KB", quiet=True)
     hub = FakeHub()
     push_checkpoint(out, "myorg/tiny-qwen3moe", api=hub, token=TOKEN)
-    expected = sorted(name for name in manifest["output_files"] if name != "README.md")
+    expected = sorted(manifest.checked_output_files)
     assert upload_call(hub)["allow_patterns"] == [*expected, "repack_manifest.json", "README.md"]
     assert len([name for name in expected if name.endswith(".safetensors")]) > 1
     assert is_generated_card((out / "README.md").read_text())
@@ -573,3 +489,44 @@ def test_live_push_to_the_real_hub(out: Path):
         assert result.commit_url
     finally:
         api.delete_repo(repo_id, token=access.token, missing_ok=True)
+
+
+def test_both_argument_orders_name_the_same_push(out: Path, no_cached_token: None):
+    """`repack push REPO_ID [LOCAL_PATH]` as `hf upload`, and the older `repack push LOCAL_PATH REPO_ID`."""
+    hf_order = CliRunner().invoke(app, ["push", "myorg/model", str(out), "--dry-run"], terminal_width=200)
+    old_order = CliRunner().invoke(app, ["push", str(out), "myorg/model", "--dry-run"], terminal_width=200)
+    assert hf_order.exit_code == old_order.exit_code == 0, hf_order.output + old_order.output
+    assert "would upload to myorg/model" in hf_order.output
+    assert hf_order.output == old_order.output
+
+
+def test_local_path_defaults_to_the_current_folder(out: Path, no_cached_token: None, monkeypatch):
+    monkeypatch.chdir(out)
+    result = CliRunner().invoke(app, ["push", "myorg/model", "--dry-run"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "would upload to myorg/model" in result.output
+
+
+def test_include_exclude_and_commit_message(out: Path):
+    hub = FakeHub()
+    push_checkpoint(
+        out, "me/model", api=hub, token=TOKEN, exclude=["tokenizer*", "SOURCE_README.md"], commit_message="int4 MoE"
+    )
+    upload = upload_call(hub)
+    assert "tokenizer.json" not in upload["allow_patterns"] and "SOURCE_README.md" not in upload["allow_patterns"]
+    assert SHARDS[0] in upload["allow_patterns"] and "README.md" in upload["allow_patterns"]
+    assert upload["commit_message"] == "int4 MoE"
+    only_weights = plan_push(out, "me/model", include=["*.safetensors", "*.json"])
+    assert "tokenizer.json" in [upload.name for upload in only_weights.files]
+    assert "SOURCE_README.md" in only_weights.not_uploaded
+    with pytest.raises(RepackError) as error:
+        plan_push(out, "me/model", exclude=["*.safetensors"])
+    assert_one_line(error.value, "would leave out", SHARDS[0])
+
+
+def test_base_model_option_and_invalid_ids_are_one_line(out: Path):
+    plan = plan_push(out, "me/model", base_model="Qwen/Qwen1.5-MoE-A2.7B")
+    assert "base_model: Qwen/Qwen1.5-MoE-A2.7B\n" in plan.card
+    with pytest.raises(RepackError) as error:
+        plan_push(out, "me/model", base_model="/home/me/model")
+    assert_one_line(error.value, "--base-model", "not a valid Hub repo id")
