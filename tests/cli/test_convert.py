@@ -28,10 +28,12 @@ def test_fixture_converts_and_verifies(fixture, tmp_path):
     shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
     assert not list(out.glob("*.partial")) and not list(tmp_path.glob(".out.tmp-*"))
-    assert set(manifest["output_files"]) == {p.name for p in out.iterdir()} - {MANIFEST_FILE}
-    assert manifest["source_files"]["model.safetensors"]["size"] == (fixture / "model.safetensors").stat().st_size
-    for name in ("tokenizer.json", "generation_config.json", "quantize_config.json"):
+    assert set(manifest.output_files) == {p.name for p in out.iterdir()} - {MANIFEST_FILE}
+    assert manifest.source_files["model.safetensors"].size == (fixture / "model.safetensors").stat().st_size
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (fixture / name).read_bytes()
+    for name in ("reference.safetensors", "reference.json", "README.txt", "quantize_config.json"):  # not a model's
+        assert not (out / name).exists()
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     source_quant = json.loads((fixture / "config.json").read_text())["quantization_config"]
     assert quant["quant_method"] == "repack" and quant["format_version"] == 2

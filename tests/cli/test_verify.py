@@ -9,6 +9,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from repack.convert import convert
+from repack.formats.hashing import hash_file
+from repack.formats.manifest import FileRecord, Manifest
 from tests.support.cli import assert_one_line_error, copy_checkpoint, run_cli
 from tests.support.fixtures import FIXTURES_DIR
 
@@ -36,7 +38,11 @@ def test_verify_ok_with_and_without_source(out):
 
 def test_changed_output_file_fails_checksum(out):
     (out / "tokenizer.json").write_text("{}")
-    assert_one_line_error(run_cli("verify", out), "tokenizer.json", "sha256")
+    assert_one_line_error(run_cli("verify", out), "tokenizer.json", "truncated")
+    data = bytearray((out / "generation_config.json").read_bytes())
+    data[-2] ^= 1  # same size, other bytes
+    (out / "generation_config.json").write_bytes(bytes(data))
+    assert_one_line_error(run_cli("verify", out), "generation_config.json", "sha256 differs")
 
 
 def test_missing_output_file(out):
@@ -57,12 +63,9 @@ def _rewrite_stack_tensor(out, name, change):
     tensors = load_file(shard)
     tensors[name] = change(tensors[name].clone())
     save_file(tensors, shard, metadata={"format": "pt"})
-    from repack.formats.hashing import hash_file
-
-    manifest = json.loads((out / "repack_manifest.json").read_text())
     sha, size = hash_file(shard)
-    manifest["output_files"][shard.name] = {"sha256": sha, "size": size}
-    (out / "repack_manifest.json").write_text(json.dumps(manifest))
+    manifest = Manifest.read(out).with_output_file(shard.name, FileRecord(sha, size))
+    (out / "repack_manifest.json").write_text(json.dumps(manifest.to_json()))
 
 
 def test_flipped_bit_in_stack_caught_by_inverse(out):
@@ -120,3 +123,38 @@ def test_verify_passes_after_push_wrote_the_model_card(tmp_path):
     (out / "README.md").write_text(plan_push(out, "myorg/model").card)
     report = verify(out, str(src))
     assert report.files_checked >= 1 and report.stacks_checked >= 1
+
+
+def _edit_manifest(out, edit) -> None:
+    """Change repack_manifest.json as a person or a bad tool would: without updating its own checksum."""
+    path = out / "repack_manifest.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(data)))
+
+
+def test_a_flipped_hash_in_the_manifest_blames_the_manifest(out):
+    def flip(data):
+        record = data["output_files"]["tokenizer.json"]
+        record["sha256"] = ("0" if record["sha256"][0] != "0" else "1") + record["sha256"][1:]
+        return data
+
+    _edit_manifest(out, flip)
+    line = assert_one_line_error(run_cli("verify", out), "repack_manifest.json", "edited after conversion")
+    assert "tokenizer.json" not in line
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda data: [data], "not a JSON object"),
+        (lambda data: dict(data, output_files={"config.json": "abc"}), "is not an object with sha256 and size"),
+        (lambda data: dict(data, output_files=["config.json"]), "output_files is not an object"),
+        (lambda data: dict(data, output_files={"/etc/passwd": {"sha256": "0" * 64, "size": 1}}), "outside the folder"),
+        (lambda data: dict(data, format_version=99), "format_version 99 is not supported"),
+        (lambda data: dict(data, source="here"), "source is not an object"),
+    ],
+)
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_every_manifest_defect_is_one_line_in_every_command(out, edit, message, command):
+    _edit_manifest(out, lambda data: edit({k: v for k, v in data.items() if k != "manifest_sha256"}))
+    assert_one_line_error(run_cli(command, out), "repack_manifest.json", message)
