@@ -13,6 +13,9 @@ CARD_FILE = "README.md"  # the model card: written and owned by `repack push`, n
 INDEX_FILE = "model.safetensors.index.json"
 CONVERSION_ID_KEY = "conversion_id"  # in the manifest, config.json's quantization_config, every shard header
 
+# Activation dtypes the kernels take (scales are fp16 in the files; bf16 activations get bf16 scales at load).
+# Names here, so torch-free code (the CLI's option checks) can use them; formats.stacks has the torch dtypes.
+ACTIVATION_DTYPE_NAMES = ("float16", "bfloat16")
 STACK_TENSORS = ("w13_qweight", "w13_scales", "w13_zeros", "w13_perm", "w2_qweight", "w2_scales", "w2_zeros", "w2_perm")
 ROUTED = "routed"
 SHARED = "shared"

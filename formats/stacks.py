@@ -1,5 +1,5 @@
-"""The repack-moe format (version 2; the module keeps its v1 name): expert stacks laid out for the fused W4A16
-MoE kernel.
+"""The repack-moe format (formats/SPEC.md, version :data:`FORMAT_VERSION`): expert stacks laid out for the fused
+W4A16 MoE kernel.
 
 SPEC.md beside this file is the normative description; this module is its executable form: the
 constants, the stack metadata, and the two functions that move one layer's experts between the GPTQ
@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .constants import (  # noqa: F401 - re-exported, so this module still names the whole format
+    ACTIVATION_DTYPE_NAMES,
     CARD_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -55,6 +56,8 @@ from .gptq import (
     unpack_along_rows,
     write_zero_points,
 )
+
+ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in ACTIVATION_DTYPE_NAMES)
 
 
 class StackInfoError(RepackError):

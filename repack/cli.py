@@ -39,7 +39,7 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from repack import __version__  # noqa: E402
-from repack.formats.constants import FORMAT_NAME, FORMAT_VERSION  # noqa: E402
+from repack.formats.constants import ACTIVATION_DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION  # noqa: E402
 from repack.formats.errors import RepackError, printable  # noqa: E402
 
 INTERRUPTED = "error: interrupted; nothing was written to the output folder"
@@ -229,6 +229,8 @@ def tune(
     Point REPACK_MOE_CONFIG_DIR at the folder (or copy the files into runtime/configs/) to use them.
     """
     with one_line_errors(needs_torch=True):
+        if dtype not in ACTIVATION_DTYPE_NAMES:
+            raise RepackError(f"--dtype {dtype}: use {' or '.join(ACTIVATION_DTYPE_NAMES)}")
         import torch
 
         from repack.formats.checkpoint import read_repack_config
@@ -239,8 +241,6 @@ def tune(
         shapes = sorted(
             {(s.num_experts, s.hidden_size, s.intermediate_size, top_k) for s in stacks if s.kind == "routed"}
         )
-        if dtype not in ("float16", "bfloat16"):
-            raise RepackError(f"--dtype {dtype}: use float16 or bfloat16")
         for path in tune_shapes(shapes, getattr(torch, dtype), out_dir):
             Console().print(f"wrote {path}")
 

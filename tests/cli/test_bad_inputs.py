@@ -1,4 +1,4 @@
-"""Every bad input of issue 2: exit != 0, one stderr line naming the file/tensor, no traceback, no output."""
+"""Every bad input: exit != 0, one stderr line naming the file/tensor, no traceback, no output folder."""
 
 from __future__ import annotations
 
