@@ -16,7 +16,7 @@ VLLM_WHEELS := $(VLLM_VENV)/wheel
 # (`operator torchvision::nms does not exist`) when vLLM imports them; nothing we run needs them.
 VLLM_BROKEN := torchvision torchaudio torchcodec
 
-.PHONY: install demo test test-vllm lint format bench-convert bench-moe device-wheels clean
+.PHONY: install wheel demo test test-vllm lint format bench-convert bench-moe device-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+wheel: $(STAMP)
+	$(BIN)/python -m build --wheel --outdir dist .
 
 demo: $(STAMP)
 	$(BIN)/repack demo $(DEMO_DIR) --force

@@ -20,11 +20,10 @@ from __future__ import annotations
 import hashlib
 import html
 import re
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import metadata as package_metadata
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from repack import __version__
 from repack.formats.constants import FORMAT_NAME, MANIFEST_FILE
 from repack.formats.manifest import Manifest
 from repack.model_files import SOURCE_README
@@ -38,16 +37,8 @@ _MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]()#!|~<>])")  # what could start ma
 
 
 def install_command() -> str:
-    """The pip line that installs this tool for someone who has only the card: the project's source URL, as its
-    package metadata records it (pyproject.toml ``[project.urls] Source``)."""
-    try:
-        urls = package_metadata("moe-repack").get_all("Project-URL") or []
-    except PackageNotFoundError:
-        urls = []
-    source = next((url.split(",", 1)[1].strip() for url in urls if url.lower().startswith("source,")), None)
-    if source is None:
-        return "pip install 'moe-repack[hf]'  # from a wheel or a clone of moe-repack"
-    return f"pip install 'moe-repack[hf] @ git+{source}'"
+    """How to install this tool, as the README says: from its wheel (``make wheel`` in the moe-repack sources)."""
+    return f"pip install 'moe_repack-{__version__}-py3-none-any.whl[hf]'"
 
 
 def render_model_card(
@@ -204,7 +195,8 @@ def _loading_section(repo_id: str, manifest: Manifest) -> str:
     source_id = manifest.source.repo_id if is_repo_id(manifest.source.repo_id) else "<the source GPTQ folder>"
     return (
         "## How to load\n\n"
-        f"Install moe-repack with the transformers extra: `{install_command()}`. Then run the MoE blocks with the "
+        f"Install moe-repack with the transformers extra (its wheel: `make wheel` in the moe-repack sources): "
+        f"`{install_command()}`. Then run the MoE blocks with the "
         "fused kernel directly (on a GPU; a CPU runs them in Triton's interpreter with `TRITON_INTERPRET=1`, "
         "slowly):\n\n"
         "```python\n"
