@@ -61,8 +61,10 @@ def test_clean_venv_runs_cli_and_imports(wheel, tmp_path):
         capture_output=True,
         text=True,
     ).stdout.strip()
-    # Our own site-packages as a plain path entry: its .pth files (our editable install) are NOT processed.
-    Path(purelib, "borrowed_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Our site-packages folders (ours and any it chains to) as plain path entries: their .pth files (our editable
+    # install) are NOT processed, so `repack` can only come from the wheel.
+    borrowed = [sysconfig.get_paths()["purelib"], *(p for p in sys.path if p.endswith("site-packages"))]
+    Path(purelib, "borrowed_deps.pth").write_text("".join(f"{p}\n" for p in dict.fromkeys(borrowed)))
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
         check=True,
@@ -75,4 +77,9 @@ def test_clean_venv_runs_cli_and_imports(wheel, tmp_path):
     lines = run(python, "-c", probe).stdout.split()
     assert lines[0].startswith(str(env_dir)), "imported repack from outside the clean venv"
     assert lines[1] == "False", "importing the runtime pulled in the CLI"
-    assert "convert" in run(env_dir / "bin" / "repack", "--help").stdout
+    on_path = {"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin"}  # what `source venv/bin/activate` does for the shell
+    from_path = lambda *args: subprocess.run(args, cwd=tmp_path, env=on_path, capture_output=True, text=True)  # noqa: E731
+    version = from_path("repack", "--version")
+    assert version.returncode == 0 and version.stdout.startswith("repack (moe-repack) "), version.stderr
+    assert "convert" in from_path("repack", "-h").stdout
+    assert "Usage: repack convert" in from_path("repack", "convert", "--help").stdout
