@@ -26,6 +26,7 @@ from repack.formats.errors import RepackError
 from repack.formats.stacks import ACTIVATION_DTYPES, StackInfo
 from repack.runtime.routers import DEEPSEEK_V3, SOFTMAX_TOPK, RouterSpec, route_reference
 from repack.runtime.weights import MoeWeights, join_adjacent
+
 JOINED = "joined"  # one fused_moe call: routed experts and shared chunks as one stack (falls back to SEPARATE)
 SEPARATE = "separate"  # a fused_moe call for the routed experts, another for the shared chunks
 AUTO = "auto"  # JOINED for calls of at most JOINED_MAX_TOKENS tokens, SEPARATE above

@@ -11,7 +11,7 @@ from repack.formats.gptq import GptqFormatError, GptqLinear, GptqScheme, dequant
 from repack.formats.stacks import StackInfo, dequantize_stack, pack_stack, plan_flags, unpack_stack
 from repack.synthetic_linear import quantize_linear
 from tests.support.fixtures import FIXTURES
-from tests.support.stacks import expert_names, routed_stack_info
+from tests.support.stacks import seeded_stack
 
 SCHEMES = [
     GptqScheme(4, 128, True, "gptq"),
@@ -22,39 +22,10 @@ SCHEMES = [
 ]
 
 
-def _expert(hidden: int, inter: int, scheme: GptqScheme, act_order: bool, gen: torch.Generator):
-    """gate/up quantized as one [2I, H] linear so they share g_idx (one Hessian per input), down on its own."""
-    gate_up = quantize_linear(
-        torch.randn(2 * inter, hidden, generator=gen) * 0.02, scheme, act_order=act_order, generator=gen
-    )
-    gate, up = (_columns(gate_up, scheme, slice(h * inter, (h + 1) * inter)) for h in range(2))
-    down = quantize_linear(torch.randn(hidden, inter, generator=gen) * 0.02, scheme, act_order=act_order, generator=gen)
-    return gate, up, down
-
-
-def _columns(linear: GptqLinear, scheme: GptqScheme, cols: slice) -> GptqLinear:
-    packed = slice(cols.start // scheme.pack_factor, cols.stop // scheme.pack_factor)
-    return GptqLinear(
-        linear.qweight[:, cols].contiguous(),
-        linear.qzeros[:, packed].contiguous(),
-        linear.scales[:, cols].contiguous(),
-        linear.g_idx,
-    )
-
-
-def _stack(scheme, act_order, *, experts=3, hidden=256, inter=128, chunks=1, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    sources = [_expert(hidden, inter * chunks, scheme, act_order, gen) for _ in range(experts // chunks)]
-    info = routed_stack_info(
-        sources, scheme, experts=experts, hidden=hidden, inter=inter, prefix="layers.0.mlp.experts"
-    )
-    return info, expert_names(len(sources)), sources
-
-
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
 def test_pack_then_unpack_is_bit_exact(scheme, act_order):
-    info, names, sources = _stack(scheme, act_order)
+    info, names, sources = seeded_stack(scheme, act_order)
 
     def sorted_by_groups(k: int) -> bool:  # one group over the input makes any order trivial
         return act_order and scheme.group_size != -1 and scheme.group_size < k
@@ -75,7 +46,7 @@ def test_pack_then_unpack_is_bit_exact(scheme, act_order):
 def test_stack_computes_the_source_mlp(act_order):
     """x -> SiLU(gate) * up -> down through OUR layout equals the source GPTQ expert (P2 folded into w13)."""
     scheme = GptqScheme(4, 32, False, "gptq")
-    info, _, sources = _stack(scheme, act_order, experts=2)
+    info, _, sources = seeded_stack(scheme, act_order, experts=2)
     w13, w2 = dequantize_stack(info, pack_stack(info, sources))
     x = torch.randn(5, info.hidden_size, dtype=torch.float64)
     for e, (gate, up, down) in enumerate(sources):
@@ -88,7 +59,7 @@ def test_stack_computes_the_source_mlp(act_order):
 
 def test_layout_is_output_major_with_gate_rows_first():
     scheme = GptqScheme(4, 128, True, "gptq")
-    info, _, sources = _stack(scheme, act_order=False, experts=1)
+    info, _, sources = seeded_stack(scheme, act_order=False, experts=1)
     tensors = pack_stack(info, sources)
     w13 = tensors["layers.0.mlp.experts.w13_qweight"][0]
     gate, up, _ = sources[0]
@@ -99,7 +70,7 @@ def test_layout_is_output_major_with_gate_rows_first():
 
 def test_shared_expert_chunks_are_exact():
     scheme = GptqScheme(4, 64, True, "gptq")
-    info, names, sources = _stack(scheme, act_order=True, experts=4, chunks=4, inter=64)
+    info, names, sources = seeded_stack(scheme, act_order=True, experts=4, chunks=4, inter=64)
     assert info.chunks_per_source == 4
     tensors = pack_stack(info, sources)
     back = unpack_stack(info, tensors)
@@ -180,8 +151,8 @@ def test_split_by_source_rebuilds_each_expert_alone():
     from repack.formats.stacks import split_by_source
 
     scheme = GptqScheme(4, 64, False, "gptq")
-    info, names, sources = _stack(scheme, act_order=True, experts=3)
-    chunked, chunk_names, chunk_sources = _stack(scheme, act_order=True, experts=4, chunks=2, inter=64)
+    info, names, sources = seeded_stack(scheme, act_order=True, experts=3)
+    chunked, chunk_names, chunk_sources = seeded_stack(scheme, act_order=True, experts=4, chunks=2, inter=64)
     for stack_info, triples, linears in ((info, names, sources), (chunked, chunk_names, chunk_sources)):
         tensors = pack_stack(stack_info, linears)
         parts = list(split_by_source(stack_info))
@@ -198,7 +169,7 @@ def test_g_idx_on_some_experts_only_or_not_int32_is_refused():
     from repack.formats.gptq import check_linear
 
     scheme = GptqScheme(4, 64, True, "gptq")
-    info, names, sources = _stack(scheme, act_order=False, experts=2)
+    info, names, sources = seeded_stack(scheme, act_order=False, experts=2)
     sources[1][2].g_idx = None
     with pytest.raises(GptqFormatError, match=r"e1.down_proj.g_idx: missing while other experts"):
         plan_flags(names, sources, scheme)

@@ -30,8 +30,8 @@ from repack.formats.stacks import (
 )
 from repack.synthetic import write_synthetic_checkpoint
 from repack.verify import verify
-from tests.formats.test_stacks import _stack
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.stacks import seeded_stack
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -162,7 +162,7 @@ def _chosen(info: StackInfo) -> StackInfo:
 @pytest.mark.parametrize("name", STACKS)
 def test_mma128_stack_round_trips_bit_exactly(name):
     scheme, act_order = STACKS[name]
-    gptq_info, names, sources = _stack(scheme, act_order, hidden=256, inter=256)
+    gptq_info, names, sources = seeded_stack(scheme, act_order, hidden=256, inter=256)
     info = _chosen(gptq_info)
     assert info.word_order == "mma128" and info.act_order_w13 == info.act_order_w2 == act_order
     tensors = pack_stack(info, sources)
@@ -186,7 +186,7 @@ def test_mma128_stack_round_trips_bit_exactly(name):
 
 def test_mma128_shared_expert_chunks_round_trip():
     scheme = GptqScheme(4, 128, True, "gptq")
-    gptq_info, names, sources = _stack(scheme, act_order=True, experts=2, chunks=2, hidden=256, inter=128)
+    gptq_info, names, sources = seeded_stack(scheme, act_order=True, experts=2, chunks=2, hidden=256, inter=128)
     info = _chosen(gptq_info)
     assert info.word_order == "mma128" and info.chunks_per_source == 2
     back = unpack_stack(info, pack_stack(info, sources))
@@ -197,7 +197,7 @@ def test_mma128_shared_expert_chunks_round_trip():
 
 def test_gptq_stack_still_round_trips_at_g32():
     scheme = GptqScheme(4, 32, False, "gptq")
-    info, names, sources = _stack(scheme, act_order=True, hidden=256, inter=128)
+    info, names, sources = seeded_stack(scheme, act_order=True, hidden=256, inter=128)
     assert _chosen(info).word_order == "gptq"
     back = unpack_stack(info, pack_stack(info, sources))
     for triple, linears in zip(names, sources, strict=True):

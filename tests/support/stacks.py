@@ -72,3 +72,33 @@ def make_stack(
     sources = [make_expert(hidden, inter * chunks, scheme, act_order, 100 * j) for j in range(experts // chunks)]
     info = routed_stack_info(sources, scheme, experts=experts, hidden=hidden, inter=inter, word_order=word_order)
     return MoeWeights.from_tensors(info, pack_stack(info, sources)), sources
+
+
+def seeded_expert(hidden: int, inter: int, scheme: GptqScheme, act_order: bool, gen: torch.Generator):
+    """gate/up quantized as one [2I, H] linear so they share g_idx (one Hessian per input), down on its own."""
+    gate_up = quantize_linear(
+        torch.randn(2 * inter, hidden, generator=gen) * 0.02, scheme, act_order=act_order, generator=gen
+    )
+    gate, up = (linear_columns(gate_up, scheme, slice(h * inter, (h + 1) * inter)) for h in range(2))
+    down = quantize_linear(torch.randn(hidden, inter, generator=gen) * 0.02, scheme, act_order=act_order, generator=gen)
+    return gate, up, down
+
+
+def linear_columns(linear: GptqLinear, scheme: GptqScheme, cols: slice) -> GptqLinear:
+    packed = slice(cols.start // scheme.pack_factor, cols.stop // scheme.pack_factor)
+    return GptqLinear(
+        linear.qweight[:, cols].contiguous(),
+        linear.qzeros[:, packed].contiguous(),
+        linear.scales[:, cols].contiguous(),
+        linear.g_idx,
+    )
+
+
+def seeded_stack(scheme, act_order, *, experts=3, hidden=256, inter=128, chunks=1, seed=0):
+    """A routed stack of random experts from one generator: (StackInfo, source module names, the experts)."""
+    gen = torch.Generator().manual_seed(seed)
+    sources = [seeded_expert(hidden, inter * chunks, scheme, act_order, gen) for _ in range(experts // chunks)]
+    info = routed_stack_info(
+        sources, scheme, experts=experts, hidden=hidden, inter=inter, prefix="layers.0.mlp.experts"
+    )
+    return info, expert_names(len(sources)), sources
