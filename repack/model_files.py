@@ -63,13 +63,14 @@ def select_model_files(
     for name in files:
         if name in reserved:
             continue
-        wanted = _matches(name, MODEL_REPO_FILES) or _matches(name, include)
-        if wanted and not _matches(name, exclude):
+        wanted = matches_any(name, MODEL_REPO_FILES) or matches_any(name, include)
+        if wanted and not matches_any(name, exclude):
             copied.append(CopiedFile(name, SOURCE_README if name == "README.md" else name))
         else:
             left_behind.append(name)
     return FileSelection(tuple(copied), tuple(left_behind))
 
 
-def _matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+def matches_any(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """Whether ``name`` matches one of the ``fnmatch`` globs (``hf upload --include/--exclude`` semantics)."""
     return any(fnmatch(name, pattern) for pattern in patterns)

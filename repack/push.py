@@ -22,7 +22,6 @@ import glob
 import hashlib
 import json
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import NoReturn
 
@@ -37,7 +36,7 @@ from repack.card import is_generated_card, render_model_card
 from repack.formats.constants import CARD_FILE, FORMAT_NAME, INDEX_FILE, MANIFEST_FILE
 from repack.formats.errors import RepackError
 from repack.formats.manifest import Manifest, check_file
-from repack.model_files import SOURCE_README
+from repack.model_files import SOURCE_README, matches_any
 from repack.provenance import checked_repo_id, source_card_data
 
 CONFIG_NAME = "config.json"
@@ -191,7 +190,7 @@ def select_uploads(manifest: Manifest, include: list[str] = (), exclude: list[st
     Only files the manifest verifies are ever candidates; the checkpoint's own files cannot be left out."""
     selected = []
     for name in sorted(manifest.checked_output_files):
-        wanted = (not include or any(fnmatch(name, p) for p in include)) and not any(fnmatch(name, p) for p in exclude)
+        wanted = (not include or matches_any(name, include)) and not matches_any(name, exclude)
         if not wanted and is_required_upload(name):
             raise RepackError(f"--include/--exclude would leave out {name}, which the checkpoint needs; narrow them")
         if wanted:
