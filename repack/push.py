@@ -326,6 +326,7 @@ def verify_output_files(out_dir: Path, manifest: Manifest, names: list[str], qui
         for name in names:
             progress.update(task, description=f"verifying {name}")
             check_file(out_dir, name, records[name], on_read=lambda n: progress.advance(task, n))
+        progress.update(task, description=f"verified {len(names)} files")
     return [UploadFile(name, records[name].size) for name in names]
 
 
@@ -338,7 +339,7 @@ def hashing_progress(quiet: bool) -> Progress:
         TimeRemainingColumn(),
         console=Console(stderr=True),
         disable=quiet,
-        transient=True,
+        transient=False,
     )
 
 

@@ -234,6 +234,7 @@ def test_dry_run_command_prints_files_sizes_and_the_card(out: Path, no_cached_to
         assert name in result.output
     shard_size = (out / SHARDS[0]).stat().st_size
     assert f"{shard_size} bytes" in result.output
+    assert "verified 6 files" in result.stderr  # the progress bar of the hashing, on stderr
     narrow = CliRunner().invoke(app, ["push", "myorg/model", str(out), "--dry-run"], terminal_width=60)
     card = plan_push(out, "myorg/model").card
     assert card in narrow.output  # printed verbatim: long lines are not re-wrapped to the terminal
@@ -497,7 +498,7 @@ def test_both_argument_orders_name_the_same_push(out: Path, no_cached_token: Non
     old_order = CliRunner().invoke(app, ["push", str(out), "myorg/model", "--dry-run"], terminal_width=200)
     assert hf_order.exit_code == old_order.exit_code == 0, hf_order.output + old_order.output
     assert "would upload to myorg/model" in hf_order.output
-    assert hf_order.output == old_order.output
+    assert hf_order.stdout == old_order.stdout
 
 
 def test_local_path_defaults_to_the_current_folder(out: Path, no_cached_token: None, monkeypatch):
