@@ -102,20 +102,21 @@ class Manifest:
                 f"{path}: format_version {version!r} is not supported by this reader (knows "
                 f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade moe-repack or re-convert"
             )
+        outputs = _file_records(data, "output_files", path)
+        if not outputs:
+            raise RepackError(f"{path}: output_files is empty; re-run `repack convert`")
+        sources = _file_records(data, "source_files", path)
         recorded = data.get(SELF_CHECKSUM)
         if recorded is not None and recorded != _self_checksum(data):
             raise RepackError(
                 f"{path}: the manifest was edited after conversion (its {SELF_CHECKSUM} no longer matches its "
                 "content); restore it or re-run `repack convert`"
             )
-        outputs = _file_records(data, "output_files", path)
-        if not outputs:
-            raise RepackError(f"{path}: output_files is empty; re-run `repack convert`")
         return cls(
             format_version=version,
             converter_version=str(data.get("converter_version", "unknown")),
             source=_source_record(data.get("source"), path),
-            source_files=_file_records(data, "source_files", path),
+            source_files=sources,
             output_files=outputs,
             created=data.get("created") if isinstance(data.get("created"), str) else None,
             conversion_id=_optional_string(data, CONVERSION_ID_KEY, path),

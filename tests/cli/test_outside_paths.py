@@ -84,18 +84,18 @@ def converted(tmp_path) -> Path:
 @pytest.mark.parametrize("section", ["output_files", "source_files"])
 @pytest.mark.parametrize("outside", ["../elsewhere/secret.txt", "ABSOLUTE"])
 def test_verify_never_hashes_files_outside_the_folder(converted, secret, section, outside, monkeypatch):
-    import repack.formats.integrity
+    import repack.formats.manifest
     import repack.verify
 
     hashed: list[Path] = []
     real_hash = repack.verify.hash_file
-    for module in (repack.verify, repack.formats.integrity):
-        monkeypatch.setattr(module, "hash_file", lambda path: hashed.append(Path(path)) or real_hash(path))
+    for module in (repack.verify, repack.formats.manifest):  # every place that hashes a named file
+        monkeypatch.setattr(module, "hash_file", lambda path, *rest: hashed.append(Path(path)) or real_hash(path))
     name = str(secret) if outside == "ABSOLUTE" else outside
     manifest_path = converted / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())
     manifest[section] = {name: {"sha256": "0" * 64, "size": 1}, **manifest[section]}
     manifest_path.write_text(json.dumps(manifest))
     args = ["verify", converted] + (["--source", SYM] if section == "source_files" else [])
-    assert_one_line_error(run_cli(*args), "lies outside")
+    assert_one_line_error(run_cli(*args), "outside the folder")  # refused when the manifest is read
     assert secret not in hashed and secret.resolve() not in [p.resolve() for p in hashed]
