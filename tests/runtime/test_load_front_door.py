@@ -81,7 +81,7 @@ def test_verify_refuses_an_edited_checkpoint(out, tmp_path, edit):
         data[-1] ^= 0xFF
         shard.write_bytes(bytes(data))
     load(folder, "cpu")  # without verify only the structure is checked
-    with pytest.raises(RepackError, match="sha256 differs"):
+    with pytest.raises(RepackError, match="(sha256 differs|records [0-9]+ )"):
         load(folder, "cpu", verify=True)
     assert load(out, "cpu", verify=True).tensors
 
