@@ -8,7 +8,6 @@ resolved commit hash.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from repack.formats.errors import RepackError
@@ -24,11 +23,24 @@ HUB_ALLOW_PATTERNS = [
     "*.py",
     "*.md",
 ]
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def is_repo_id(text: object) -> bool:
+    """Whether ``text`` is a ``namespace/name`` model id the Hub accepts (huggingface_hub's own rules)."""
+    if not isinstance(text, str) or text.count("/") != 1:
+        return False
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def looks_like_repo_id(src: str) -> bool:
-    return bool(_REPO_ID.match(src)) and not src.startswith((".", "/", "~"))
+    return is_repo_id(src) and not src.startswith((".", "/", "~"))
 
 
 def download_snapshot(repo_id: str, revision: str | None) -> Path:

@@ -25,9 +25,9 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from repack import __version__
 from repack.formats.constants import FORMAT_NAME, MANIFEST_FILE
+from repack.formats.hub import is_repo_id
 from repack.formats.manifest import Manifest
 from repack.model_files import SOURCE_README
-from repack.provenance import is_repo_id
 
 CARD_TAGS = ["moe", "gptq", "int4", "repack"]
 SOURCE_CARD_FIELDS = ("license", "license_name", "license_link", "language")  # carried over from the source's card

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from repack.formats.errors import RepackError
+from repack.formats.hub import is_repo_id
 from repack.formats.manifest import SourceRecord
 
 CACHE_REPO_PREFIX = "models--"  # huggingface_hub's cache folder of a model repo: models--{org}--{name}
@@ -28,17 +29,6 @@ def checked_repo_id(repo_id: str, what: str) -> str:
         reason = " ".join(str(error).split())
         raise RepackError(f"{what} {repo_id!r} is not a valid Hub repo id ({reason}); use namespace/name") from None
     return repo_id
-
-
-def is_repo_id(text: object) -> bool:
-    """Whether ``text`` is a valid ``namespace/name`` Hub id (what the card may link to)."""
-    if not isinstance(text, str) or text.count("/") != 1:
-        return False
-    try:
-        checked_repo_id(text, "")
-    except RepackError:
-        return False
-    return True
 
 
 def cache_repo_id(folder: Path) -> str | None:
