@@ -32,12 +32,8 @@ import torch
 from rich.console import Console
 from rich.filesize import decimal
 from rich.progress import (
-    BarColumn,
-    DownloadColumn,
     Progress,
     TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from repack import __version__
@@ -56,6 +52,7 @@ from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
+from repack.progress import byte_progress
 from repack.provenance import source_record
 from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
 from repack.source import SourceCheckpoint, resolve_source
@@ -379,17 +376,7 @@ def copy_file(src: Path, dst: Path) -> dict:
 
 
 def make_progress(quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[layers]}"),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=quiet,
-        transient=False,
-    )
+    return byte_progress(quiet, TextColumn("{task.fields[layers]}"))
 
 
 class Converter:

@@ -29,7 +29,6 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from rich.console import Console
 from rich.filesize import decimal
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from repack.card import is_generated_card, render_model_card
@@ -37,6 +36,7 @@ from repack.formats.constants import CARD_FILE, FORMAT_NAME, INDEX_FILE, MANIFES
 from repack.formats.errors import RepackError
 from repack.formats.manifest import Manifest, check_file
 from repack.model_files import SOURCE_README, matches_any
+from repack.progress import byte_progress
 from repack.provenance import checked_repo_id, source_card_data
 
 CONFIG_NAME = "config.json"
@@ -321,26 +321,13 @@ def verify_output_files(out_dir: Path, manifest: Manifest, names: list[str], qui
     A push must never publish a checkpoint that changed since conversion; the error names the file.
     """
     records = manifest.checked_output_files
-    with hashing_progress(quiet) as progress:
+    with byte_progress(quiet) as progress:
         task = progress.add_task("verifying", total=sum(records[name].size for name in names))
         for name in names:
             progress.update(task, description=f"verifying {name}")
             check_file(out_dir, name, records[name], on_read=lambda n: progress.advance(task, n))
         progress.update(task, description=f"verified {len(names)} files")
     return [UploadFile(name, records[name].size) for name in names]
-
-
-def hashing_progress(quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=quiet,
-        transient=False,
-    )
 
 
 def find_resumable_pr(api: HfApi, repo_id: str, access: HubAccess, title: str) -> str | None:
