@@ -10,23 +10,29 @@ export one ``run``:
   operand; the tuned default past decode, and the only tensor-core family that reads mma128 words.
 - ``gptq_order`` (runtime/kernels/gptq_order.py): the older tensor-core kernels, for the gptq-order stacks the
   weight-major kernels cannot run (groups under 128, K not a multiple of 128, 8-bit).
+- ``gluon_sm90`` (runtime/kernels/gluon_sm90.py): the weight-major GEMMs in Gluon for Hopper, a wgmma kept in
+  flight while the next chunk dequantizes; opt-in (a config's ``GLUON`` tile or $REPACK_GLUON_KERNELS=1) because
+  on the H200 they measured no faster than the weight-major kernels (benchmarks/KERNEL_NOTES.md item 15).
 
 The config (runtime/kernel_config.py) names the family; :func:`choose_kernels` turns that into the family that
-can run the stack. The tensor-core families write one row per (token, k) pair, summed here (or fp32 atomics
-into [M, H] with ``reduce="atomic"``). Nothing here synchronises with the host, so the whole call can be
-captured in a CUDA graph. Dimension letters: runtime/kernels/__init__.py.
+can run the stack (:func:`kernel_path`: which one a call takes). The tensor-core families write one row per
+(token, k) pair, summed here (or fp32 atomics into [M, H] with ``reduce="atomic"``). Nothing here synchronises
+with the host, so the whole call can be captured in a CUDA graph. Dimension letters: runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
 from repack.formats.errors import RepackError
 from repack.runtime.kernel_config import KernelConfig, Kernels, as_kernel_config, get_config
-from repack.runtime.kernels import decode, gptq_order, weight_major
+from repack.runtime.kernels import decode, gluon_sm90, gptq_order, weight_major
 from repack.runtime.kernels.align import align_pairs
+from repack.runtime.kernels.backend import gluon_sm90_runs
 from repack.runtime.kernels.common import TL_DTYPES
 from repack.runtime.weights import MoeWeights
 
@@ -37,19 +43,41 @@ from repack.runtime.weights import MoeWeights
 # scales in fp32 either way.
 BF16_SCALES_IN_WEIGHTS = True
 
+PORTABLE_ENV = "REPACK_PORTABLE_KERNELS"  # "1": never the Gluon sm_90 kernels (the tl kernels everywhere)
+GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": the Gluon sm_90 kernels wherever they can run, tile from their heuristic
+
 
 def supports_weight_major(weights: MoeWeights) -> bool:
     return weight_major.supports(weights.bits, weights.hidden_size, weights.intermediate_size, weights.group_size)
 
 
-def choose_kernels(weights: MoeWeights, config: KernelConfig) -> Kernels:
-    """The family that runs: the config's, except that mma128 words are read only by the decode and weight-major
-    kernels, and a stack the weight-major kernels cannot run takes the gptq-order kernels."""
+def choose_kernels(weights: MoeWeights, config: KernelConfig, device: torch.device) -> Kernels:
+    """The family that runs on ``device``: the config's, except that the Gluon sm_90 kernels run where they are
+    asked for (a ``gluon`` tile on an aligned tensor-core config, or $GLUON_ENV) and can run (an mma128 stack, a
+    Hopper GPU: kernels/backend.py) unless $PORTABLE_ENV, mma128 words are otherwise read only by the decode and
+    weight-major kernels, and a stack the weight-major kernels cannot run takes the gptq-order kernels."""
     if config.kernels is Kernels.DECODE:
         return Kernels.DECODE
+    gluon_asked = config.gluon is not None or os.environ.get(GLUON_ENV, "") == "1"
+    gluon_allowed = not config.direct and os.environ.get(PORTABLE_ENV, "") != "1"
+    if gluon_asked and gluon_allowed and gluon_sm90.supports(weights) and gluon_sm90_runs(device):
+        return Kernels.GLUON_SM90
     if weights.mma_order or (config.kernels is Kernels.WEIGHT_MAJOR and supports_weight_major(weights)):
         return Kernels.WEIGHT_MAJOR
     return Kernels.GPTQ_ORDER
+
+
+def kernel_path(
+    hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config: KernelConfig | Mapping | None = None
+) -> Kernels:
+    """The family ``fused_moe(hidden_states, weights, <[M, top_k] ids>, ..., config=config)`` runs."""
+    cfg = _config(config, weights, hidden_states, top_k)
+    return choose_kernels(weights, cfg, hidden_states.device)
+
+
+def _config(config: KernelConfig | Mapping | None, weights: MoeWeights, x: torch.Tensor, top_k: int) -> KernelConfig:
+    """The caller's config parsed, else the tuned/heuristic one for this call."""
+    return as_kernel_config(config) if config is not None else get_config(weights, x.shape[0], top_k, x.dtype, x.device)
 
 
 def _check_inputs(hidden_states: torch.Tensor, weights: MoeWeights, topk_ids: torch.Tensor, topk_weights) -> None:
@@ -102,7 +130,7 @@ def fused_moe(
     ``topk_ids`` [M, T] (int32 or int64, values in [0, E)), ``topk_weights`` [M, T] (any float dtype).
     ``config`` overrides the tuned/heuristic kernel config: a :class:`KernelConfig`, or a dict in the tables'
     spelling (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, and optionally DIRECT, WEIGHT_MAJOR,
-    SCALE_ACC, SPLIT_K, QUANT_AHEAD, REDUCE, PREFETCH, NIBBLE_DOTS: runtime/kernel_config.py). ``out`` receives
+    SCALE_ACC, SPLIT_K, QUANT_AHEAD, GLUON, REDUCE, PREFETCH, NIBBLE_DOTS: runtime/kernel_config.py). ``out`` receives
     the result.
     """
     _check_inputs(hidden_states, weights, topk_ids, topk_weights)
@@ -114,12 +142,12 @@ def fused_moe(
         out = torch.empty(m, h, dtype=dtype, device=device)
     if m == 0:
         return out
-    cfg = as_kernel_config(config) if config is not None else get_config(weights, m, top_k, dtype, device)
+    cfg = _config(config, weights, hidden_states, top_k)
     cfg = cfg.fit_group(weights.group_size)
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     ids = topk_ids.contiguous()
     route_w = topk_weights.to(torch.float32).contiguous()
-    kernels = choose_kernels(weights, cfg)
+    kernels = choose_kernels(weights, cfg, device)
     if kernels is Kernels.DECODE:
         decode.run(x, weights, ids, route_w, out, cfg)
         return out
@@ -133,8 +161,13 @@ def fused_moe(
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)  # [P, H] one row per pair
     direct = kernels is Kernels.WEIGHT_MAJOR and cfg.direct
-    rows = None if direct else align_pairs(ids, weights.num_experts, cfg.block_m)
-    if kernels is Kernels.WEIGHT_MAJOR:
+    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # asked for by $GLUON_ENV: the heuristic's tile
+        cfg = replace(cfg, gluon=gluon_sm90.heuristic(num_pairs, weights.num_experts))
+    block_m = cfg.gluon.block_m if kernels is Kernels.GLUON_SM90 else cfg.block_m
+    rows = None if direct else align_pairs(ids, weights.num_experts, block_m)
+    if kernels is Kernels.GLUON_SM90:
+        gluon_sm90.run(x, weights, ids, route_w, rows, inter, target, cfg)
+    elif kernels is Kernels.WEIGHT_MAJOR:
         exact_bf16 = not BF16_SCALES_IN_WEIGHTS
         weight_major.run(x, weights, ids, route_w, rows, inter, target, cfg, exact_bf16_scales=exact_bf16)
     else:

@@ -3,15 +3,17 @@ a heuristic otherwise, and a run-time guard that shrinks a config a device canno
 
 A config names the kernel family that runs (``kernels``: the CUDA-core ``decode`` kernels, the ``weight_major``
 tensor-core kernels, or the older ``gptq_order`` tensor-core kernels for stacks the weight-major ones cannot
-read), its tile and launch sizes, and the few switches that family takes. fused_moe parses a config once, at
-its entry, and the families read its fields.
+read), its tile and launch sizes, and the few switches that family takes. A tensor-core config may also ask for
+the Gluon sm_90 kernels with a tile of theirs (``gluon``), keeping its tl family for where they cannot run.
+fused_moe parses a config once, at its entry, and the families read its fields.
 
 JSON tables (vLLM style) live in ``runtime/configs/`` (or ``$REPACK_MOE_CONFIG_DIR``), named
 ``E={experts},N={intermediate},device_name={device name, spaces as _}.json``, and map a token count M to an
 entry in the Triton spelling: ``BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages`` always, then
 ``DIRECT`` / ``WEIGHT_MAJOR`` (which family: :meth:`KernelConfig.from_dict`), ``SCALE_ACC``, ``SPLIT_K``,
-``QUANT_AHEAD``, and the tuning-only ``REDUCE``, ``PREFETCH``, ``NIBBLE_DOTS``. The entry with the nearest M is
-used. ``repack tune`` (runtime/tune.py) and benchmarks/make_configs.py write them.
+``QUANT_AHEAD``, ``GLUON`` (a :class:`GluonTile` as a list), and the tuning-only ``REDUCE``, ``PREFETCH``,
+``NIBBLE_DOTS``. The entry with the nearest M is used. ``repack tune`` (runtime/tune.py) and
+benchmarks/make_configs.py write them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,44 @@ class Kernels(str, Enum):
     DECODE = "decode"  # CUDA cores, one program per (token, expert) pair: runtime/kernels/decode.py
     WEIGHT_MAJOR = "weight_major"  # tensor cores, weights as the MMA's register operand: kernels/weight_major.py
     GPTQ_ORDER = "gptq_order"  # tensor cores, tokens as the A operand, gptq-order words only: kernels/gptq_order.py
+    # Hopper tensor cores with wgmma kept in flight (kernels/gluon_sm90.py). Never a config's ``kernels``: a config
+    # asks for it with a ``gluon`` tile (or $REPACK_GLUON_KERNELS=1) and fused_moe.choose_kernels grants it where
+    # it can run; the config's tl family runs elsewhere.
+    GLUON_SM90 = "gluon_sm90"
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """The Gluon sm_90 kernels' launch shape: ``block_m`` tokens (the wgmma N), ``block_n`` output channels per
+    program (w13 reads ``2 * block_n`` weight rows), ``group_m`` token blocks per weight-tile group, ``stages`` K
+    steps in the shared-memory ring. JSON: ``"GLUON": [block_m, block_n, group_m(, stages)]``."""
+
+    block_m: int
+    block_n: int
+    group_m: int = 1
+    stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (16, 32, 64, 128) or self.block_n not in (32, 64, 128, 256):
+            raise RepackError(
+                f"kernel config: GLUON: unsupported tile {self.block_m} x {self.block_n}; use block_m in "
+                "16/32/64/128 and block_n in 32/64/128/256"
+            )
+        if self.group_m < 1 or self.stages < 2:
+            raise RepackError(f"kernel config: GLUON: group_m {self.group_m} < 1 or stages {self.stages} < 2")
+
+    @classmethod
+    def from_list(cls, entry: object) -> GluonTile:
+        if (
+            not isinstance(entry, (list, tuple))
+            or not 2 <= len(entry) <= 4
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        ):
+            raise RepackError(f"kernel config: GLUON must be [block_m, block_n, group_m(, stages)], not {entry!r}")
+        return cls(*entry)
+
+    def to_list(self) -> list[int]:
+        return [self.block_m, self.block_n, self.group_m, self.stages]
 
 
 @dataclass(frozen=True)
@@ -63,8 +103,12 @@ class KernelConfig:
     reduce: str = "pairs"  # tensor cores: the top-k sum as a torch sum of per-pair rows, or "atomic" fp32 adds
     prefetch: int = 1  # DECODE: K blocks of weights loaded ahead (1 or 2)
     nibble_dots: bool = False  # GPTQ_ORDER: one dot per nibble position instead of an unpacking reshape
+    # opt-in: the Gluon sm_90 kernels with this tile where they can run (benchmarks/KERNEL_NOTES.md item 15)
+    gluon: GluonTile | None = None
 
     def __post_init__(self) -> None:
+        if self.kernels is Kernels.GLUON_SM90:
+            raise RepackError("kernel config: the Gluon kernels are asked for with a GLUON tile beside a tl family")
         if self.kernels is Kernels.DECODE and not self.direct:
             raise RepackError("kernel config: the decode kernels run one program per pair; set DIRECT")
         if self.reduce not in ("pairs", "atomic"):
@@ -91,13 +135,14 @@ class KernelConfig:
             kernels = Kernels.WEIGHT_MAJOR
         else:
             kernels = Kernels.DECODE if direct else Kernels.GPTQ_ORDER
-        values = {JSON_KEYS[k]: entry[k] for k in entry if k not in ("DIRECT", "WEIGHT_MAJOR")}
+        values = {JSON_KEYS[k]: entry[k] for k in entry if k not in ("DIRECT", "WEIGHT_MAJOR", "GLUON")}
         types = {f.name: f.type for f in fields(cls)}
         typed = {
             name: (bool(v) if types[name] == "bool" else int(v) if types[name] == "int" else v)
             for name, v in values.items()
         }
-        return cls(kernels=kernels, direct=direct, **typed)
+        gluon = GluonTile.from_list(entry["GLUON"]) if entry.get("GLUON") is not None else None
+        return cls(kernels=kernels, direct=direct, gluon=gluon, **typed)
 
     def to_dict(self) -> dict:
         """The JSON entry (Triton-style keys); switches at their defaults are left out."""
@@ -110,6 +155,8 @@ class KernelConfig:
         for key, name in JSON_KEYS.items():
             if name in _SWITCHES and getattr(self, name) != defaults[name]:
                 entry[key] = getattr(self, name)
+        if self.gluon is not None:
+            entry["GLUON"] = self.gluon.to_list()
         return entry
 
     def meta(self, *, with_block_k: bool = True) -> dict:
@@ -151,6 +198,7 @@ JSON_KEYS = {  # table key -> KernelConfig field ("WEIGHT_MAJOR" and "DIRECT" to
     "REDUCE": "reduce",
     "PREFETCH": "prefetch",
     "NIBBLE_DOTS": "nibble_dots",
+    "GLUON": "gluon",
 }
 _SIZES = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 _SWITCHES = ("scale_acc", "split_k", "quant_ahead", "reduce", "prefetch", "nibble_dots")

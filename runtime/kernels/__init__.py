@@ -4,6 +4,7 @@ runtime/fused_moe.py from a runtime/kernel_config.py ``KernelConfig``:
 - ``decode``: CUDA cores, one program per (token, expert) pair (few pairs);
 - ``weight_major``: tensor cores, the dequantized weights as the MMA's register operand (past decode);
 - ``gptq_order``: tensor cores, tokens as the A operand (the stacks weight_major cannot read);
+- ``gluon_sm90``: weight_major's GEMMs in Gluon for Hopper, a wgmma in flight while dequantizing (opt-in);
 
 with the jit helpers they share in ``common``, and ``routing`` (softmax top-k), ``align`` (pairs sorted into
 per-expert row blocks) and ``gptq_linear`` (the dense GPTQ linear) beside them.

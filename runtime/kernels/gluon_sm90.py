@@ -1,0 +1,452 @@
+"""Hopper (sm_90) weight-major MoE kernels in Gluon: dequantization overlaps an asynchronous wgmma.
+
+The same GEMMs as runtime/kernels/weight_major.py (``out^T = W @ x^T``: the dequantized int4 weights are the
+register A operand of the tensor core, the tokens its N side), written in Gluon, Triton's layout-explicit
+dialect, because Triton 3.6 waits for every register-operand ``tl.dot`` to finish before the next instruction
+(``wgmma.wait_group 0``, benchmarks/KERNEL_NOTES.md item 14): a warpgroup never dequantized while its MMA ran.
+Here each K step of 128 issues eight 16-deep wgmmas asynchronously and waits with one left in flight, so chunk
+``c + 1`` is dequantized while the MMA of chunk ``c`` runs.
+
+Data flow of one program (one expert's token block x one tile of weight rows):
+
+- int32 words go from global memory straight into registers, one step ahead of their use, in the layout a
+  thread needs for its share of the wgmma A fragment: rows ``r`` and ``r + 8`` of its warp's 16, words ``t``
+  and ``t + 4`` of each half step (``t`` = lane % 4). In the ``mma128`` word order (formats/SPEC.md section 3)
+  fields ``i`` and ``4 + i`` of word ``8g + m`` are inputs ``2m, 2m + 1`` of chunk ``4g + i``, so one LOP3
+  ``(w >> 4i) & 0x000F000F | 0x64006400`` is the fp16x2 register that thread holds, and the conversion to the
+  A operand layout moves nothing (``convert_layout(..., assert_trivial=True)``).
+- One inline-PTX sequence per word and chunk dequantizes two weights: LOP3, a packed add of ``-(bias + zero)``
+  (exact), a packed multiply by the scale (one rounding, as GPTQModel's ``fp16(scale * (q - zero))``). fp16
+  odd chunks keep their nibble four bits up and fold the shift into an FMA by 1/16 (exact), as the tl kernels do.
+  bf16 multiplies in fp32 by the exact scale and rounds once (four more instructions per two weights).
+- The block's activations (gathered token rows, and columns through the act-order permutation) are loaded one
+  step ahead into registers and stored to a two-stage shared ring laid out as eight [tokens, 16] chunk tiles,
+  the B operand of the chunk's wgmma.
+- w13: gate rows ``n`` and up rows ``I + n`` of the same channels form one A tile of ``2 * BLOCK_N`` rows, so
+  the epilogue splits one accumulator into ``silu(gate) * up``. w2: routing weight in fp32, then fp32 atomics
+  into [M, H] (the top-k sum) or one row per pair.
+
+Needs an ``mma128`` stack (4-bit, K % 128 == 0, groups a multiple of 128 or -1) and a GPU of compute
+capability 9.0; :func:`available` says whether this Triton has the Gluon Hopper API at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import triton
+
+from repack.runtime.kernel_config import GluonTile, KernelConfig
+from repack.runtime.kernels.align import Alignment
+from repack.runtime.kernels.common import tile_ids
+from repack.runtime.weights import MoeWeights
+
+try:  # Gluon's Hopper API (Triton >= 3.5); the portable tl kernels serve where it is missing.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    _IMPORT_ERROR: Exception | None = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = exc
+
+STEP_K = 128  # K values per step: 16 int32 words per row, eight 16-deep wgmmas
+NUM_WARPS = 4  # one warpgroup: wgmma's unit
+
+
+def available() -> bool:
+    """Whether the installed Triton ships the Gluon Hopper API these kernels are written in."""
+    return _IMPORT_ERROR is None
+
+
+def heuristic(num_pairs: int, num_experts: int) -> GluonTile:
+    """A tile for a shape nobody tuned: the token tile follows the rows each expert gets."""
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 12:
+        return GluonTile(16, 64, 1)
+    if per_expert <= 24:
+        return GluonTile(32, 64, 4)
+    return GluonTile(64, 64, 8)
+
+
+# Every tile the heuristic picks, and the wider ones measured on the H200: the CPU compile test builds each for sm_90.
+SHIPPED_TILES = (
+    GluonTile(16, 64, 1),
+    GluonTile(32, 64, 4),
+    GluonTile(64, 64, 8),
+    GluonTile(16, 128, 1),
+    GluonTile(32, 128, 4),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layouts (host side: plain Python values handed to the kernels as constexprs)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def word_layout(rows: int):
+    """[rows, 8] int32 words of half a K step: thread (warp w, lane l) holds rows ``16w + l // 4 (+ 8)`` (and
+    every 64 rows on), words ``l % 4`` and ``l % 4 + 4``: exactly the words its wgmma A fragment needs."""
+    reg = [[8, 0], [0, 4]] + [[64 << j, 0] for j in range(int(math.log2(rows // 64)))]
+    lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 8])
+
+
+def mma_layout(block_m: int):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, block_m, 16])
+
+
+def x_layout():
+    """[8 * tokens, 16] activations of one K step (chunk-major rows), 16-byte loads along K."""
+    return gl.BlockedLayout([1, 8], [16, 2], [NUM_WARPS, 1], [1, 0])
+
+
+def out_layout(block_n: int):
+    """[channels, tokens] epilogue tiles: 8 channels per thread so stores along a row are 16 bytes wide."""
+    lanes_n = min(32, max(1, block_n // 8))
+    return gl.BlockedLayout([8, 1], [lanes_n, 32 // lanes_n], [1, NUM_WARPS], [0, 1])
+
+
+def _layouts(rows: int, block_m: int, block_n: int) -> dict:
+    mma = mma_layout(block_m)
+    return dict(
+        WORD_LAYOUT=word_layout(rows),
+        ACC_LAYOUT=mma,
+        A_LAYOUT=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        X_LAYOUT=x_layout(),
+        X_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2),
+        OUT_LAYOUT=out_layout(block_n),
+        W_COPY_LAYOUT=gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0]),
+        # Pairs of words XOR-swizzled by row (mod 8): the eight rows a warp reads at once (words t, t + 4 of
+        # rows r, r + 8) then fall in distinct banks.
+        W_SMEM_LAYOUT=gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device code
+# ---------------------------------------------------------------------------------------------------------------
+
+if available():
+
+    @gluon.jit
+    def _pack2(v16):
+        """A 16-bit value (as int16 bits) in both halves of an int32: the fp16x2 / bf16x2 operand of PTX."""
+        low = v16.to(gl.int32) & 0xFFFF
+        return low | (low << 16)
+
+    @gluon.jit
+    def _step_quant(scales_ptr, zeros_ptr, rows, row_mask, group, stride_s_g, HAS_ZEROS: gl.constexpr,
+                    SYM_ZERO: gl.constexpr, IS_FP16: gl.constexpr):  # fmt: skip
+        """Per row for one group: (scale, -(bias + zero), -(64 + zero)) as packed fp16x2 (fp16; bias 1024), or (fp32
+        scale, -(128 + zero) as bf16x2, unused) (bf16)."""
+        scale = gl.load(scales_ptr + group * stride_s_g + rows, mask=row_mask, other=0.0)
+        if HAS_ZEROS:
+            zero = gl.load(zeros_ptr + group * stride_s_g + rows, mask=row_mask, other=0).to(gl.int32)
+        else:
+            zero = gl.full(rows.shape, SYM_ZERO, gl.int32, layout=rows.type.layout)
+        if IS_FP16:
+            scale2 = _pack2(scale.to(gl.int16, bitcast=True))
+            bias2 = _pack2((-(zero + 1024)).to(gl.float16).to(gl.int16, bitcast=True))
+            odd2 = _pack2((-(zero + 64)).to(gl.float16).to(gl.int16, bitcast=True))
+        else:
+            scale2 = scale.to(gl.float32).to(gl.int32, bitcast=True)
+            bias2 = _pack2((-(zero + 128)).to(gl.bfloat16).to(gl.int16, bitcast=True))
+            odd2 = bias2
+        return gl.expand_dims(scale2, 1), gl.expand_dims(bias2, 1), gl.expand_dims(odd2, 1)
+
+    @gluon.jit
+    def _dequant_chunk(words, i: gl.constexpr, scale2, bias2, odd2, IS_FP16: gl.constexpr, DTYPE: gl.constexpr,
+                       A_LAYOUT: gl.constexpr):  # fmt: skip
+        """Chunk ``4g + i`` of half-step words [rows, 8] as the [rows, 16] wgmma A operand (see module doc)."""
+        if IS_FP16:
+            src = words if i < 2 else words >> 8
+            if i % 2 == 0:
+                asm: gl.constexpr = (
+                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
+                    "add.f16x2 t, t, $4; mul.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }"
+                )
+            else:  # fields four bits up: 1024 + 16q, times 1/16 is 64 + q (exact)
+                asm: gl.constexpr = (
+                    "{ .reg .b32 t, s; mov.b32 s, 0x2C002C00; lop3.b32 t, $2, 0x00F000F0, 0x64006400, 0xEA; "
+                    "fma.rn.f16x2 t, t, s, $5; mul.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }"
+                )
+        else:
+            src = words >> (4 * i) if i > 0 else words
+            # q - zero is exact in bf16; widened to fp32 (a shift, a mask), times the exact fp32 scale, rounded
+            # once: a bf16-rounded scale would be one systematic error per row and group (5e-3 relative).
+            asm: gl.constexpr = (
+                "{ .reg .b32 t, l, h; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; add.rn.bf16x2 t, t, $4; "
+                "shl.b32 l, t, 16; and.b32 h, t, 0xFFFF0000; mul.f32 l, l, $3; mul.f32 h, h, $3; "
+                "cvt.rn.bf16x2.f32 t, h, l; mov.b32 {$0, $1}, t; }"
+            )
+        lo, hi = gl.inline_asm_elementwise(
+            asm, "=h,=h,r,r,r,r", [src, scale2, bias2, odd2], dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1
+        )
+        pairs = gl.join(lo, hi)
+        weights = gl.reshape(pairs, [words.shape[0], 16])
+        return gl.convert_layout(weights, A_LAYOUT, assert_trivial=True)
+
+    @gluon.jit
+    def _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr,
+                X_LAYOUT: gl.constexpr):  # fmt: skip
+        """cp.async the [8 * BLOCK_M, 16] activations of the K step at ``k0`` into ``x_stage``:
+        row ``c * BLOCK_M + j`` holds inputs ``16c .. 16c + 15`` of the block's token j (act-order: the columns
+        the permutation names). In parts of ``8 // parts(HAS_PERM)`` chunks (``token_rows``, ``pair_mask``: one
+        part's rows), so the addresses (act-order: and the gathered values) take fewer registers at once."""
+        PARTS: gl.constexpr = 4 if HAS_PERM else 2
+        CHUNKS: gl.constexpr = 8 // PARTS
+        r = gl.arange(0, CHUNKS * BLOCK_M, layout=gl.SliceLayout(1, X_LAYOUT))
+        within = gl.arange(0, 16, layout=gl.SliceLayout(0, X_LAYOUT))
+        for part in gl.static_range(PARTS):
+            inputs = k0 + gl.expand_dims((part * CHUNKS + r // BLOCK_M) * 16, 1) + gl.expand_dims(within, 0)
+            dst = x_stage.slice(part * CHUNKS * BLOCK_M, CHUNKS * BLOCK_M)
+            if HAS_PERM:  # a gather of single columns: cp.async moves 4 bytes at least, so through registers
+                inputs = gl.load(perm_row_ptr + inputs)
+                dst.store(gl.load(token_rows + inputs, mask=pair_mask, other=0.0))
+            else:
+                async_copy.async_copy_global_to_shared(dst, token_rows + inputs, mask=pair_mask)
+
+    @gluon.jit
+    def _copy_step(w_stage, x_stage, w_rows, w_ok, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr,
+                   HAS_PERM: gl.constexpr, X_LAYOUT: gl.constexpr, W_COPY_LAYOUT: gl.constexpr):  # fmt: skip
+        """cp.async one K step into a ring stage, as one commit group: the [rows, 16] words (16 bytes a thread) and
+        the [8 * BLOCK_M, 16] activations (see :func:`_copy_x`)."""
+        offs_w = gl.arange(0, 16, layout=gl.SliceLayout(0, W_COPY_LAYOUT))
+        async_copy.async_copy_global_to_shared(w_stage, w_rows + k0 // 8 + gl.expand_dims(offs_w, 0), mask=w_ok)
+        _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M, HAS_PERM, X_LAYOUT)
+
+    @gluon.jit
+    def _k_loop(w_rows, w_ok, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask, perm_row_ptr, K,
+                stride_s_g, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
+                HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr, WORD_LAYOUT: gl.constexpr,
+                ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
+                X_SMEM_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
+                W_SMEM_LAYOUT: gl.constexpr):  # fmt: skip
+        """acc [ROWS, BLOCK_M] = W[rows, :] @ X[:, pairs] for one program: the loop both GEMMs share.
+
+        A ring of STAGES K steps (words and activations, cp.async) runs STAGES - 1 steps ahead of the MMAs: the
+        bytes in flight, not the MMA, set the speed of a memory-bound GEMM. ``w_rows`` [ROWS, 1] points at each
+        weight row's first word (copy layout), ``w_ok`` its mask."""
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        IS_FP16: gl.constexpr = dtype == gl.float16
+        x_smem = gl.allocate_shared_memory(dtype, [STAGES, 8 * BLOCK_M, 16], X_SMEM_LAYOUT)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_SMEM_LAYOUT)
+        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
+        scale2, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, 0, stride_s_g, HAS_ZEROS, SYM_ZERO,
+                                          IS_FP16)  # fmt: skip
+        num_steps = K // 128
+        for s in gl.static_range(STAGES - 1):
+            _copy_step(w_smem.index(s), x_smem.index(s), w_rows, w_ok, token_rows, pair_mask, perm_row_ptr,
+                       gl.minimum(s * 128, K - 128), BLOCK_M, HAS_PERM, X_LAYOUT, W_COPY_LAYOUT)  # fmt: skip
+            async_copy.commit_group()
+        for step in range(num_steps):
+            k0 = step * 128
+            k_next = gl.minimum(k0 + 128, K - 128)
+            next_quant = _step_quant(scales_e, zeros_e, rows, rows_ok, k_next // GROUP_LEN, stride_s_g,
+                                     HAS_ZEROS, SYM_ZERO, IS_FP16)  # fmt: skip
+            async_copy.wait_group(STAGES - 2)  # this step's stage has landed (this thread's copies)
+            fence_async_shared()
+            gl.thread_barrier()  # ... and every thread's
+            here = step % STAGES
+            w_stage = w_smem.index(here)
+            low = w_stage.slice(0, 8, dim=1).load(WORD_LAYOUT)
+            high = w_stage.slice(8, 8, dim=1).load(WORD_LAYOUT)
+            x_stage = x_smem.index(here)
+            for c in gl.static_range(8):
+                words = low if c < 4 else high
+                a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, dtype, A_LAYOUT)
+                b = x_stage.slice(c * BLOCK_M, BLOCK_M).permute((1, 0))
+                acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+                if c == 0:  # the previous step's MMAs are done: its stage takes the step STAGES - 1 ahead
+                    ahead = (step + STAGES - 1) % STAGES
+                    _copy_step(w_smem.index(ahead), x_smem.index(ahead), w_rows, w_ok, token_rows, pair_mask,
+                               perm_row_ptr, gl.minimum(k0 + (STAGES - 1) * 128, K - 128), BLOCK_M, HAS_PERM,
+                               X_LAYOUT, W_COPY_LAYOUT)  # fmt: skip
+                    async_copy.commit_group()
+            scale2, bias2, odd2 = next_quant
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        async_copy.wait_group(0)
+        return acc
+
+    @gluon.jit
+    def _block(pid, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pid_m, N, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, X_LAYOUT: gl.constexpr,
+               HAS_PERM: gl.constexpr):  # fmt: skip
+        """(pid_m, pid_n, pairs [rows, 1] as one part of the activation rows repeats them, expert, whether the block
+        exists)."""
+        # common.tile_ids is a triton.jit function: Gluon compiles a jit callee with its own (Gluon) semantics, and
+        # scalar arithmetic needs no layout, so the grouped order is the tl kernels' own.
+        pid_m, pid_n = tile_ids(pid, num_pid_m, gl.cdiv(N, BLOCK_N), GROUP_M)
+        live = pid_m < gl.load(num_blocks_ptr)
+        ROWS: gl.constexpr = (2 if HAS_PERM else 4) * BLOCK_M  # one part of _copy_x
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, X_LAYOUT))
+        pairs = gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + r % BLOCK_M), 1)
+        expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
+        return pid_m, pid_n, pairs, expert, live
+
+    @gluon.jit
+    def _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M: gl.constexpr, OUT_LAYOUT: gl.constexpr):
+        """The block's pairs [1, BLOCK_M] in the epilogue layout."""
+        j = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        return gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + j), 0)
+
+    @gluon.jit
+    def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n, W_COPY_LAYOUT: gl.constexpr):
+        """Each weight row's first word [rows, 1] and its mask, in the copy layout."""
+        rows = gl.convert_layout(rows, gl.SliceLayout(1, W_COPY_LAYOUT))
+        ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, W_COPY_LAYOUT))
+        w_rows = qw_ptr + expert * stride_qw_e + gl.expand_dims(rows.to(gl.int64) * stride_qw_n, 1)
+        return w_rows, gl.expand_dims(ok, 1)
+
+    @gluon.jit
+    def _w13_kernel(
+        x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
+        sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+        num_pairs, num_pid_m, N, K,
+        stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+        TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
+        HAS_PERM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+        WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
+        X_SMEM_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
+        W_SMEM_LAYOUT: gl.constexpr,
+    ):  # fmt: skip
+        """inter[pair, n] = silu(gate_n . x) * (up_n . x): gate rows then up rows of BLOCK_N channels form one
+        A tile of 2 * BLOCK_N rows, split by the epilogue."""
+        pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
+                                                   num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
+                                                   GROUP_M, X_LAYOUT, HAS_PERM)  # fmt: skip
+        pair_mask = pairs < num_pairs
+        if live:
+            ROWS: gl.constexpr = 2 * BLOCK_N
+            offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WORD_LAYOUT))
+            channels = pid_n * BLOCK_N + offs_r % BLOCK_N
+            rows = channels + (offs_r // BLOCK_N) * N
+            rows_ok = channels < N
+            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n, W_COPY_LAYOUT)
+            token_rows = x_ptr + (pairs // TOP_K).to(gl.int64) * stride_x
+            acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
+                          zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K,
+                          K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, WORD_LAYOUT,
+                          ACC_LAYOUT, A_LAYOUT, X_LAYOUT, X_SMEM_LAYOUT, STAGES, W_COPY_LAYOUT,
+                          W_SMEM_LAYOUT)  # fmt: skip
+            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
+            act = gl.convert_layout(gate / (1.0 + gl.exp(-gate)) * up, OUT_LAYOUT)
+            offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
+            ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
+            mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
+            gl.store(ptrs, act.to(inter_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _w2_kernel(
+        inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
+        sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+        num_pairs, num_pid_m, N, K,
+        stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+        TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
+        ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+        WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
+        X_SMEM_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
+        W_SMEM_LAYOUT: gl.constexpr,
+    ):  # fmt: skip
+        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
+        pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
+                                                   num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
+                                                   GROUP_M, X_LAYOUT, False)  # fmt: skip
+        pair_mask = pairs < num_pairs
+        if live:
+            rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
+            rows_ok = rows < N
+            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n, W_COPY_LAYOUT)
+            token_rows = inter_ptr + pairs.to(gl.int64) * stride_inter
+            acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
+                          zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K,
+                          stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False, WORD_LAYOUT,
+                          ACC_LAYOUT, A_LAYOUT, X_LAYOUT, X_SMEM_LAYOUT, STAGES, W_COPY_LAYOUT,
+                          W_SMEM_LAYOUT)  # fmt: skip
+            acc = gl.convert_layout(acc, OUT_LAYOUT)
+            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
+            live_pairs = out_pairs < num_pairs
+            route_w = gl.load(topk_weights_ptr + out_pairs, mask=live_pairs, other=0.0)
+            acc = acc * route_w
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+            mask = gl.expand_dims(offs_n < N, 1) & live_pairs
+            if ATOMIC:
+                tokens = (out_pairs // TOP_K).to(gl.int64)
+                gl.atomic_add(out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1), acc, mask=mask)
+            else:
+                ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
+                gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def supports(weights: MoeWeights) -> bool:
+    """Whether these kernels read this stack: mma128 words (4-bit, K % 128 == 0, groups a multiple of 128)."""
+    return weights.mma_order and weights.bits == 4
+
+
+def _flags(weights: MoeWeights, top_k: int, k: int, cfg: GluonTile, rows: int) -> dict:
+    return dict(
+        TOP_K=top_k,
+        GROUP_LEN=weights.group_len(k),
+        SYM_ZERO=8,
+        HAS_ZEROS=weights.w13_zeros is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        GROUP_M=cfg.group_m,
+        STAGES=cfg.stages,
+        **_layouts(rows, cfg.block_m, cfg.block_n),
+    )
+
+
+def run(
+    x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
+    weights: MoeWeights,  # an mma128 stack (:func:`supports`)
+    topk_ids: torch.Tensor,  # [M, T] int32/int64
+    topk_weights: torch.Tensor,  # [M, T] fp32
+    rows: Alignment,  # pairs sorted by expert into blocks of config.gluon.block_m
+    inter: torch.Tensor,  # [P, I] activation dtype: w13's output, w2's input
+    target: torch.Tensor,  # [P, H] activation dtype, or [M, H] fp32 with config.reduce == "atomic"
+    config: KernelConfig,  # its ``gluon`` tile (set) and ``reduce``; the tl tile is not read
+) -> None:
+    """w13 then w2 over the aligned token blocks ``rows``: ``inter`` receives ``silu(gate) * up``, ``target`` the
+    weighted w2 output, added to in fp32 (``reduce="atomic"``) or one row per pair."""
+    tile = config.gluon
+    if tile is None or rows.block_m != tile.block_m:
+        raise ValueError(f"gluon_sm90.run: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
+    route_w, top_k, atomic = topk_weights, topk_ids.shape[1], config.reduce == "atomic"
+    h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
+    num_pid_m = rows.max_blocks
+    zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
+    zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
+    perm = weights.w13_perm if weights.w13_perm is not None else rows.sorted_pairs
+    w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
+    row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
+    grid13 = (num_pid_m * triton.cdiv(n_inter, tile.block_n),)
+    _w13_kernel[grid13](
+        x, w13, s13, zeros13, perm, inter, *row_args, n_inter, h,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
+        HAS_PERM=weights.w13_perm is not None, num_warps=NUM_WARPS,
+        **_flags(weights, top_k, h, tile, 2 * tile.block_n),
+    )  # fmt: skip
+    w2_tile = tile if tile.block_n >= 64 else replace(tile, block_n=64)
+    grid2 = (num_pid_m * triton.cdiv(h, w2_tile.block_n),)
+    _w2_kernel[grid2](
+        inter, w2, s2, zeros2, route_w, target, *row_args, h, n_inter,
+        inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), target.stride(0),
+        ATOMIC=atomic, num_warps=NUM_WARPS, **_flags(weights, top_k, n_inter, w2_tile, w2_tile.block_n),
+    )  # fmt: skip

@@ -1,0 +1,124 @@
+"""Compile every shipped Gluon sm_90 tile on the CPU and read what ptxas made of it.
+
+Gluon does not run in Triton's interpreter, so this is the CI guard for runtime/kernels/gluon_sm90.py: each
+shipped config (both kernels, fp16 and bf16, the plain and the asym act-order variant) must compile for
+``GPUTarget("cuda", 90, 32)`` with no local-memory spills and within Hopper's shared memory, and its K loop must
+keep a wgmma in flight while it dequantizes: a ``wgmma.wait_group`` with N >= 1 inside the loop (the reason
+these kernels exist: Triton's tl.dot waits with N = 0 after every register-operand MMA). Runs in a subprocess
+because the test session sets TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.sm90 import SM90_SHARED_LIMIT
+
+VARIANTS = [("float16", False), ("bfloat16", True)]  # (activation dtype, asym with act-order)
+
+_CHILD = r"""
+import json, sys
+from dataclasses import replace
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from repack.runtime.kernel_config import GluonTile
+from repack.runtime.kernels import gluon_sm90 as g
+
+cfg = GluonTile(*json.loads(sys.argv[1]))
+act, asym = sys.argv[2], sys.argv[3] == "1"
+ptr = "*bf16" if act == "bfloat16" else "*fp16"
+types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr="*fp32", qw_ptr="*i32", scales_ptr="*fp16",
+             zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",
+             block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32")
+report = {}
+for name, kernel, rows in (("w13", g._w13_kernel, 2 * cfg.block_n), ("w2", g._w2_kernel, max(64, cfg.block_n))):
+    tile = cfg if name == "w13" else replace(cfg, block_n=max(64, cfg.block_n))
+    consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                  GROUP_M=tile.group_m, STAGES=tile.stages, **g._layouts(rows, tile.block_m, tile.block_n))
+    consts.update({"HAS_PERM": asym} if name == "w13" else {"ATOMIC": True})
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
+    k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS))
+    report[name] = dict(shared=k.metadata.shared, ptx=k.asm["ptx"])
+print(json.dumps(report))
+"""
+
+
+def _compile(cfg, act: str, asym: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tile = json.dumps([cfg.block_m, cfg.block_n, cfg.group_m, cfg.stages])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, tile, act, "1" if asym else "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _ptxas_spills(ptx: str, tmp_path) -> int:
+    """Spill bytes (stores + loads) ptxas reports for this PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    out = subprocess.run(
+        [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    assert spills, out.stderr
+    return sum(int(a) + int(b) for a, b in spills)
+
+
+def loop_waits(ptx: str) -> list[int]:
+    """The N of every ``wgmma.wait_group.sync.aligned N`` between a loop label and the branch back to it."""
+    waits = []
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line.strip()))}
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:  # a backward branch: a loop
+            body = lines[labels[m.group(1)] : i]
+            waits += [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", "\n".join(body))]
+    return waits
+
+
+def test_loop_waits_finds_the_waits_inside_a_loop_only():
+    ptx = "\n".join(
+        [
+            "wgmma.wait_group.sync.aligned 0;",
+            "$L__BB0_1:                              // =>This Inner Loop Header: Depth=1",
+            "wgmma.wait_group.sync.aligned 1;",
+            "@%p1 bra $L__BB0_1;",
+            "wgmma.wait_group.sync.aligned 0;",
+        ]
+    )
+    assert loop_waits(ptx) == [1]
+
+
+@pytest.mark.parametrize(("act", "asym"), VARIANTS, ids=[v[0] + ("-asym-actorder" if v[1] else "") for v in VARIANTS])
+def test_shipped_gluon_configs_compile_for_sm90(act, asym, tmp_path):
+    from repack.runtime.kernels import gluon_sm90
+
+    for cfg in gluon_sm90.SHIPPED_TILES:
+        report = _compile(cfg, act, asym)
+        for name, kernel in report.items():
+            where = f"{cfg} {name} {act}"
+            assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
+            assert _ptxas_spills(kernel["ptx"], tmp_path) == 0, f"{where}: spills to local memory"
+            waits = loop_waits(kernel["ptx"])
+            assert waits and min(waits) >= 1, f"{where}: the K loop waits for every wgmma ({waits})"

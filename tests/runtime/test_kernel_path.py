@@ -1,0 +1,87 @@
+"""Which kernels a fused_moe call takes (fused_moe.kernel_path), and the GLUON key of a kernel config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from repack.formats.errors import RepackError
+from repack.runtime.fused_moe import GLUON_ENV, PORTABLE_ENV, choose_kernels, kernel_path
+from repack.runtime.kernel_config import CONFIG_DIR, GluonTile, KernelConfig, Kernels, heuristic_configs
+from repack.runtime.kernels import backend, gluon_sm90
+from repack.runtime.weights import MoeWeights
+
+TENSOR_CORE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, WEIGHT_MAJOR=True)
+
+
+def _stack() -> MoeWeights:
+    e, h, i = 2, 256, 128
+    return MoeWeights(
+        w13_qweight=torch.zeros(e, 2 * i, h // 8, dtype=torch.int32),
+        w13_scales=torch.ones(e, h // 128, 2 * i, dtype=torch.float16),
+        w2_qweight=torch.zeros(e, h, i // 8, dtype=torch.int32),
+        w2_scales=torch.ones(e, i // 128, h, dtype=torch.float16),
+        bits=4,
+        group_size=128,
+        word_order="mma128",
+    )
+
+
+def test_decode_configs_take_the_decode_kernels():
+    config = dict(TENSOR_CORE, DIRECT=True, WEIGHT_MAJOR=False)
+    assert kernel_path(torch.zeros(1, 256), _stack(), 2, config) is Kernels.DECODE
+
+
+def test_gluon_is_asked_for_but_runs_only_on_an_sm90_gpu(monkeypatch):
+    """A GLUON tile or the opt-in variable asks for the Gluon kernels; on the CPU the tl kernels run instead."""
+    x = torch.zeros(8, 256)
+    assert gluon_sm90.supports(_stack())
+    assert not backend.gluon_sm90_runs(x.device)
+    assert kernel_path(x, _stack(), 2, dict(TENSOR_CORE)) is Kernels.WEIGHT_MAJOR
+    assert kernel_path(x, _stack(), 2, dict(TENSOR_CORE, GLUON=[16, 64, 1])) is Kernels.WEIGHT_MAJOR
+    monkeypatch.setenv(GLUON_ENV, "1")
+    assert kernel_path(x, _stack(), 2, dict(TENSOR_CORE)) is Kernels.WEIGHT_MAJOR
+
+
+def test_gluon_runs_where_asked_on_a_gpu_that_can_run_it_unless_portable(monkeypatch):
+    """The choice itself, with the backend check answering yes (as on an H100/H200 with Gluon's Hopper API)."""
+    monkeypatch.setattr("repack.runtime.fused_moe.gluon_sm90_runs", lambda device: True)
+    stack, device = _stack(), torch.device("cpu")
+    plain = KernelConfig.from_dict(TENSOR_CORE)
+    tiled = KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[16, 64, 1]))
+    assert choose_kernels(stack, plain, device) is Kernels.WEIGHT_MAJOR  # the default: never Gluon
+    assert choose_kernels(stack, tiled, device) is Kernels.GLUON_SM90
+    direct = KernelConfig.from_dict(dict(TENSOR_CORE, DIRECT=True, GLUON=[16, 64, 1]))
+    assert choose_kernels(stack, direct, device) is Kernels.WEIGHT_MAJOR  # one block per pair: no Gluon tile
+    monkeypatch.setenv(GLUON_ENV, "1")
+    assert choose_kernels(stack, plain, device) is Kernels.GLUON_SM90
+    monkeypatch.setenv(PORTABLE_ENV, "1")
+    assert choose_kernels(stack, tiled, device) is Kernels.WEIGHT_MAJOR
+
+
+def test_the_heuristic_and_shipped_tables_never_ask_for_gluon():
+    assert all(config.gluon is None for config in heuristic_configs())
+    tables = sorted(CONFIG_DIR.glob("*.json"))
+    assert tables
+    for path in tables:
+        assert all(KernelConfig.from_dict(e).gluon is None for e in json.loads(path.read_text()).values()), path
+
+
+def test_gluon_key_round_trips_and_bad_tiles_are_one_line_errors():
+    entry = dict(TENSOR_CORE, GLUON=[32, 128, 4, 3])
+    config = KernelConfig.from_dict(entry)
+    assert config.gluon == GluonTile(32, 128, 4, 3) and config.kernels is Kernels.WEIGHT_MAJOR
+    assert config.to_dict() == entry
+    assert KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[16, 64])).gluon == GluonTile(16, 64, 1, 4)
+    assert "GLUON" not in KernelConfig.from_dict(TENSOR_CORE).to_dict()
+    with pytest.raises(RepackError, match="unsupported tile"):
+        KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[24, 64, 1]))
+    with pytest.raises(RepackError, match="GLUON must be"):
+        KernelConfig.from_dict(dict(TENSOR_CORE, GLUON="16,64"))
+
+
+def test_heuristic_tiles_are_shipped():
+    for pairs in (8, 64, 512, 4096, 65536):
+        assert gluon_sm90.heuristic(pairs, 64) in gluon_sm90.SHIPPED_TILES
