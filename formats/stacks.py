@@ -22,7 +22,6 @@ Both qweights of a stack share its ``word_order``; version 1 checkpoints are all
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
@@ -55,6 +54,13 @@ from .gptq import (
     trivial_g_idx,
     unpack_along_rows,
     write_zero_points,
+)
+from .word_order import (  # noqa: F401 - MMA128_INDEX re-exported: this module names the whole format
+    MMA128_INDEX,
+    from_word_order,
+    to_word_order,
+    transpose_from_word_order,
+    transpose_to_word_order,
 )
 
 ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in ACTIVATION_DTYPE_NAMES)
@@ -172,84 +178,6 @@ def choose_word_order(bits: int, hidden_size: int, intermediate_size: int, group
     return MMA128_ORDER if _fits_mma128(bits, hidden_size, intermediate_size) and whole_groups else GPTQ_ORDER
 
 
-def _mma128_index() -> torch.Tensor:
-    """int64 [128]: entry ``8w + s`` is the block-local input that field s of word w holds in "mma128"."""
-    w = torch.arange(16).view(16, 1)
-    s = torch.arange(8).view(1, 8)
-    return (16 * (4 * (w // 8) + s % 4) + 2 * (w % 8) + s // 4).reshape(-1)
-
-
-# The definition of "mma128" as data (formats/SPEC.md section 3); the converters below compute the same
-# permutation with whole-byte moves and shifts instead of a per-nibble gather.
-MMA128_INDEX = _mma128_index()
-
-
-def to_word_order(words: torch.Tensor, order: str) -> torch.Tensor:
-    """Packed "gptq"-order words ``[..., K/8]`` (int32, K % 128 == 0 for "mma128") -> the same words in ``order``.
-
-    The identity (the same tensor) for "gptq"; a new tensor otherwise."""
-    return words if _check_order(words, order) == GPTQ_ORDER else _gptq_to_mma128(words)
-
-
-def from_word_order(words: torch.Tensor, order: str) -> torch.Tensor:
-    """Exact inverse of :func:`to_word_order`: words in ``order`` -> "gptq"-order words."""
-    return words if _check_order(words, order) == GPTQ_ORDER else _mma128_to_gptq(words)
-
-
-def _check_order(words: torch.Tensor, order: str) -> str:
-    if order not in WORD_ORDERS:
-        raise ValueError(f"word order {order!r} is not one of {WORD_ORDERS}")
-    if order != GPTQ_ORDER and (words.dtype != torch.int32 or words.dim() == 0 or words.shape[-1] % 16):
-        raise ValueError(f"word order {order!r} needs int32 words [..., 16 n], got {words.dtype} {list(words.shape)}")
-    return order
-
-
-# Why two steps suffice. Number a block's gptq words 8g + 2i + a and their fields 2b + h (g, a, h < 2; i, b < 4):
-# the field holds input 16 (4g + i) + 2 (4a + b) + h. In "mma128" that input sits in word 8g + 4a + b, field
-# 4h + i. So byte b of gptq word (g, i, a) (fields 2b, 2b + 1: h = 0, 1) becomes byte i of mma128 word (g, a, b)
-# -- a byte transpose -- and inside each word the nibble at 2i + h then moves to 4h + i: two swaps of nibble
-# groups. Bytes are a free little-endian view and the swaps are bit moves, so every bit pattern is exact. This
-# runs at about the speed of a copy, several times faster than gathering single nibbles through MMA128_INDEX.
-_GPTQ_BYTES = (2, 4, 2, 4)  # a block's 64 bytes as (g, i, a, b)
-_MMA128_BYTES = (2, 2, 4, 4)  # and as (g, a, b, i)
-_NIBBLE_SWAPS = ((0x00F000F0, 4), (0x0000FF00, 8))  # (mask, shift): nibble 2i + h -> 4h + i, in this order
-
-
-def _gptq_to_mma128(words: torch.Tensor) -> torch.Tensor:
-    _check_little_endian()
-    blocks = words.contiguous().view(torch.uint8).view(-1, *_GPTQ_BYTES)
-    moved = blocks.permute(0, 1, 3, 4, 2).contiguous().view(torch.int32).view(words.shape)
-    for mask, shift in _NIBBLE_SWAPS:
-        _swap_nibbles_(moved, mask, shift)
-    return moved
-
-
-def _mma128_to_gptq(words: torch.Tensor) -> torch.Tensor:
-    _check_little_endian()
-    unswapped = words.clone(memory_format=torch.contiguous_format)
-    for mask, shift in reversed(_NIBBLE_SWAPS):  # each swap is its own inverse
-        _swap_nibbles_(unswapped, mask, shift)
-    blocks = unswapped.view(torch.uint8).view(-1, *_MMA128_BYTES)
-    return blocks.permute(0, 1, 4, 2, 3).contiguous().view(torch.int32).view(words.shape)
-
-
-def _swap_nibbles_(words: torch.Tensor, mask: int, shift: int) -> None:
-    """In place, exchange the bits under ``mask`` with those ``shift`` bits above them (a delta swap).
-
-    ``mask << shift`` stays below bit 31, so the arithmetic ``>>`` of negative words never brings a sign bit in."""
-    t = words >> shift
-    t ^= words
-    t &= mask
-    words ^= t
-    t <<= shift
-    words ^= t
-
-
-def _check_little_endian() -> None:
-    if sys.byteorder != "little":
-        raise RuntimeError("word orders are converted through a little-endian byte view; this host is big-endian")
-
-
 def sort_permutation(name: str, linear: GptqLinear, scheme: GptqScheme) -> torch.Tensor | None:
     """The act-order permutation P (sorted row k reads original row P[k]), or None if g_idx is trivial."""
     k = linear.in_features(scheme)
@@ -319,7 +247,7 @@ def iter_pack_stack(
         gate = _sorted_rows(load_qweight(gate_name), p1, scheme)
         up = _sorted_rows(load_qweight(up_name), p1, scheme)
         for chunk in range(chunks):
-            yield name("w13_qweight"), to_word_order(_w13_qweight(gate, up, p2, chunk, i), info.word_order)
+            yield name("w13_qweight"), _w13_qweight(gate, up, p2, chunk, i, info.word_order)
     for _, (gate, up, _), (_, p2) in sources:
         yield name("w13_scales"), _w13_columns(gate.scales, up.scales, p2, chunks, i)
     if "w13_zeros" in wanted:
@@ -334,8 +262,8 @@ def iter_pack_stack(
         down = _sorted_rows(load_qweight(down_name), p2, scheme)
         words = down.shape[0] // chunks
         for chunk in range(chunks):  # [1, H, I/pack]: the words of one chunk, transposed
-            part = down[chunk * words : (chunk + 1) * words].t().contiguous().unsqueeze(0)
-            yield name("w2_qweight"), to_word_order(part, info.word_order)
+            rows = down[chunk * words : (chunk + 1) * words]
+            yield name("w2_qweight"), transpose_to_word_order(rows, info.word_order).unsqueeze(0)
     for _, (_, _, down), _ in sources:
         yield name("w2_scales"), down.scales.reshape(chunks, -1, down.scales.shape[1])
     if "w2_zeros" in wanted:
@@ -363,18 +291,20 @@ def _expert_permutations(
     return p1, sort_permutation(down_name, down, scheme)
 
 
-def _w13_qweight(gate: torch.Tensor, up: torch.Tensor, p2: torch.Tensor | None, chunk: int, i: int) -> torch.Tensor:
-    """``[1, 2I, H/pack]`` of one chunk from input-sorted words: gate rows then up rows, outputs in P2 order.
+def _w13_qweight(
+    gate: torch.Tensor, up: torch.Tensor, p2: torch.Tensor | None, chunk: int, i: int, order: str
+) -> torch.Tensor:
+    """``[1, 2I, H/pack]`` of one chunk from input-sorted words: gate rows then up rows, outputs in P2 order,
+    words in ``order``.
 
-    Only whole words move (a transpose, and a row gather for P2), so nothing is unpacked."""
+    Only whole words move (a transpose, and a column gather for P2) before the word order, so nothing is unpacked."""
     out = torch.empty((1, 2 * i, gate.shape[0]), dtype=torch.int32)
-    if p2 is None:
-        out[0, :i].copy_(gate[:, chunk * i : (chunk + 1) * i].t())
-        out[0, i:].copy_(up[:, chunk * i : (chunk + 1) * i].t())
-    else:
-        channels = p2[chunk * i : (chunk + 1) * i].long()
-        torch.index_select(gate.t(), 0, channels, out=out[0, :i])
-        torch.index_select(up.t(), 0, channels, out=out[0, i:])
+    for words, rows in ((gate, out[0, :i]), (up, out[0, i:])):
+        if p2 is None:
+            columns = words[:, chunk * i : (chunk + 1) * i]
+        else:
+            columns = torch.index_select(words, 1, p2[chunk * i : (chunk + 1) * i].long())
+        transpose_to_word_order(columns, order, out=rows)
     return out
 
 
@@ -405,7 +335,8 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
     The qweights are first put back in the "gptq" word order, one expert at a time."""
     scheme = info.scheme
     get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
-    words = lambda n, x: from_word_order(get(n)[x], info.word_order)  # noqa: E731  # expert x, "gptq" order
+    # expert x's words input-major ([K/pack, N], the GPTQ layout) in the "gptq" order
+    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], info.word_order)  # noqa: E731
     h, i = info.hidden_size, info.intermediate_size
     chunks = info.chunks_per_source
     out: dict[str, torch.Tensor] = {}
@@ -414,9 +345,9 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         # Without act-order on the input (P1 = identity) the GPTQ words are w13's words transposed, and
         # without it on w2's input the same holds for down: only whole words move, nothing is unpacked.
         if info.act_order_w13:
-            q13 = torch.cat([unpack_along_rows(words("w13_qweight", x).t(), scheme.bits) for x in experts], dim=1)
+            q13 = torch.cat([unpack_along_rows(gptq_words("w13_qweight", x), scheme.bits) for x in experts], dim=1)
         else:
-            q13 = torch.cat([words("w13_qweight", x).t() for x in experts], dim=1)
+            q13 = torch.cat([gptq_words("w13_qweight", x) for x in experts], dim=1)
         # q13 columns: chunk c holds [gate_c | up_c]; regroup into gate and up, each [rows, I_total] sorted.
         rows = q13.shape[0]
         q13 = q13.view(rows, chunks, 2, i)
@@ -424,9 +355,9 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         s13 = torch.cat([get("w13_scales")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
         s_gate, s_up = s13[:, :, 0].reshape(s13.shape[0], -1), s13[:, :, 1].reshape(s13.shape[0], -1)
         if info.act_order_w2:
-            q_down = torch.cat([unpack_along_rows(words("w2_qweight", x).t(), scheme.bits) for x in experts], dim=0)
+            q_down = torch.cat([unpack_along_rows(gptq_words("w2_qweight", x), scheme.bits) for x in experts], dim=0)
         else:
-            q_down = torch.cat([words("w2_qweight", x).t() for x in experts], dim=0)
+            q_down = torch.cat([gptq_words("w2_qweight", x) for x in experts], dim=0)
         s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
         if info.sym:
             z13 = torch.full((s13.shape[0], 2 * chunks * i), scheme.sym_zero, dtype=torch.uint8)
@@ -499,13 +430,14 @@ def dequantize_stack(info: StackInfo, tensors: dict[str, torch.Tensor], dtype=to
     """
     scheme = info.scheme
     get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
-    words = lambda n, x: from_word_order(get(n)[x], info.word_order)  # noqa: E731  # expert x, "gptq" order
+    # expert x's words input-major ([K/pack, N], the GPTQ layout) in the "gptq" order
+    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], info.word_order)  # noqa: E731
     e, h, i = info.num_experts, info.hidden_size, info.intermediate_size
     glen1, glen2 = scheme.group_len(h), scheme.group_len(i)
     w13s, w2s = [], []
     for x in range(e):
-        q13 = unpack_along_rows(words("w13_qweight", x).t(), scheme.bits).to(torch.int32)  # [H, 2I] sorted rows
-        q2 = unpack_along_rows(words("w2_qweight", x).t(), scheme.bits).to(torch.int32)  # [I, H]
+        q13 = unpack_along_rows(gptq_words("w13_qweight", x), scheme.bits).to(torch.int32)  # [H, 2I] sorted rows
+        q2 = unpack_along_rows(gptq_words("w2_qweight", x), scheme.bits).to(torch.int32)  # [I, H]
         g1 = torch.arange(h) // glen1
         g2 = torch.arange(i) // glen2
         z13 = (

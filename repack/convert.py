@@ -60,6 +60,7 @@ from repack.source import SourceCheckpoint, resolve_source
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 HASHER_LEAD_BYTES = 2 * 10**9  # how far the source hasher may read ahead of the converter
+PREFETCH_BYTES = 64 << 20  # how far ahead of its reads the source hasher asks the kernel to read
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -148,11 +149,14 @@ def disk_errors(target: Callable[[], str], plan: Plan, folder: Path) -> Iterator
 class SourceHasher:
     """sha256 of the source weight files, computed by a background thread while the conversion runs.
 
-    It reads each file sequentially into one reused buffer and runs ahead of the converter, whose reads
-    of the same bytes then come from the page cache, but at most ``lead_bytes`` ahead (:meth:`advance`):
-    a hasher that races through a 30 GB checkpoint fills the page cache, evicts what the converter has
-    yet to read and makes the kernel reclaim memory on every read (measured: sys time 1.6x the wall).
-    :meth:`passed` tells the converter which bytes it may drop from the cache once it has used them.
+    It is the one reader of the source from disk: it reads each file sequentially into one reused buffer,
+    asking the kernel for the next ``PREFETCH_BYTES`` before it hashes what it has (so the disk keeps
+    reading while it hashes), and runs ahead of the converter, which waits (:meth:`wait_past`) until the
+    bytes of a stack are hashed and then reads them from the page cache. It stays at most ``lead_bytes``
+    ahead of the converter (:meth:`advance`): a hasher that races through a 30 GB checkpoint fills the page
+    cache, evicts what the converter has yet to read and makes the kernel reclaim memory on every read
+    (measured: sys time 1.6x the wall). :meth:`passed` tells the converter which bytes it may drop from the
+    cache once it has used them.
     """
 
     def __init__(self, folder: Path, files: list[str], lead_bytes: int = HASHER_LEAD_BYTES) -> None:
@@ -162,6 +166,11 @@ class SourceHasher:
         self._lead = lead_bytes
         self._allowed = lead_bytes
         self._hashed = 0
+        self._starts: dict[str, int] = {}  # file -> bytes of the files hashed before it
+        total = 0
+        for name in files:
+            self._starts[name] = total
+            total += (folder / name).stat().st_size
         self._position: tuple[str, int] = ("", 0)  # file being hashed, bytes of it hashed
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, args=(folder, files), daemon=True)
@@ -183,23 +192,44 @@ class SourceHasher:
                         count = handle.readinto(view)
                         if not count:
                             break
+                        os.posix_fadvise(handle.fileno(), size + count, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
                         digest.update(view[:count])
                         with self._cond:
                             self._hashed += count
                             self._position = (name, size + count)
-                            behind = self._hashed < self._allowed - self._lead  # the converter used these
-                        if behind:
-                            os.posix_fadvise(handle.fileno(), size, count, os.POSIX_FADV_DONTNEED)
+                            self._cond.notify_all()
                         size += count
                 self.results[name] = {"sha256": digest.hexdigest(), "size": size}
         except BaseException as error:  # reported in join(), on the main thread
             self._error = error
+        finally:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
 
     def advance(self, nbytes: float) -> None:
         """The converter has used ``nbytes`` more source bytes: let the hasher read that much further."""
         with self._cond:
             self._allowed += nbytes
             self._cond.notify_all()
+
+    def wait_past(self, spans: dict[str, tuple[int, int]]) -> bool:
+        """Wait until the hasher has read every span (file -> (start, end)), so reading them hits the page cache.
+
+        False at once, without waiting, when a span is not within ``lead_bytes`` of where the hasher is (a
+        source whose tensors are not stored in conversion order), or when the hasher has stopped; the caller
+        then reads the spans itself."""
+        if any(file not in self._starts for file in spans):
+            return False
+        target = max(self._starts[file] + end for file, (_, end) in spans.items())
+        with self._cond:
+            if target - self._hashed > self._lead:
+                return False
+            self._allowed = max(self._allowed, target)
+            self._cond.notify_all()
+            while self._hashed < target and not self._stop:
+                self._cond.wait()
+            return self._hashed >= target
 
     def passed(self, file: str, end: int) -> bool:
         """Whether the bytes of ``file`` before ``end`` are hashed (so the page cache may drop them)."""
@@ -275,20 +305,28 @@ def read_ahead(folder: Path, spans: dict[str, tuple[int, int]], buffer: memoryvi
             os.close(fd)
 
 
-def drop_from_cache(folder: Path, spans: dict[str, tuple[int, int]], hasher: SourceHasher) -> None:
-    """Tell the kernel the converter is done with these source bytes (once the hasher is too).
+Span = tuple[str, int, int]  # (source file, first byte, end)
+
+
+def drop_from_cache(folder: Path, spans: list[Span], hasher: SourceHasher) -> list[Span]:
+    """Tell the kernel the converter is done with these source bytes (file, start, end) once the hasher is too;
+    returns the spans the hasher has not read yet, to drop later.
 
     Keeping the page cache small keeps every later read free of memory reclaim; the output never enters
-    the cache (O_DIRECT), so the source is all there is to drop.
+    the cache (O_DIRECT), so the source is all there is to drop. Only the converter drops source bytes: it
+    alone knows which bytes it has used, whatever order the plan reads the files in.
     """
-    for file, (start, end) in spans.items():
+    pending = []
+    for file, start, end in spans:
         if not hasher.passed(file, end):
+            pending.append((file, start, end))
             continue
         fd = os.open(folder / file, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return pending
 
 
 def symmetric_qzeros_word(scheme: GptqScheme) -> torch.Tensor:
@@ -312,7 +350,7 @@ def stream_pack_stack(reader: CheckpointReader, step: PackStack) -> Iterator[tup
             if not scheme.sym or not bool((linear.qzeros == sym_word).all()):
                 check_zero_points(module, linear, scheme)  # unpacks the zeros; explains a mismatch
         experts.append(linears)
-    yield from iter_pack_stack(info, experts, lambda module: reader.read(f"{module}.qweight"))
+    yield from iter_pack_stack(info, experts, lambda module: reader.map(f"{module}.qweight"))
 
 
 Piece = tuple[str, torch.Tensor]  # (output tensor name, the next bytes of it)
@@ -392,6 +430,7 @@ class Converter:
         self.quiet = quiet
         self.current = str(folder)
         self._scratch = memoryview(bytearray(HASH_CHUNK))
+        self._undropped: list[Span] = []  # source spans used before the hasher read them
 
     def run(self) -> Manifest:
         # One intra-op thread: the tensor ops are small per expert, and the hashing and writer threads
@@ -436,16 +475,19 @@ class Converter:
         self.current = self.writer.current_file
         folder = self.plan.source.path
         if isinstance(step, CopyTensor):
+            spans, used = source_spans(self.reader, [step.name]), step.nbytes
+            self.hasher.wait_past(spans)  # one sequential read: it is read in order whether cached or not
             for piece in self.reader.iter_raw(step.name):
                 self.writer.write(step.name, piece)
-            spans, used = source_spans(self.reader, [step.name]), step.nbytes
         else:
             spans, used = source_spans(self.reader, step.sources), step.source_bytes
-            read_ahead(folder, spans, self._scratch)
+            if not self.hasher.wait_past(spans):
+                read_ahead(folder, spans, self._scratch)
             for name, piece in stream_stack_step(self.reader, step):
                 self.writer.write(name, piece)
         self.hasher.advance(used)
-        drop_from_cache(folder, spans, self.hasher)
+        used_spans = self._undropped + [(file, start, end) for file, (start, end) in spans.items()]
+        self._undropped = drop_from_cache(folder, used_spans, self.hasher)
 
     def _copy_files(self, outputs: dict) -> dict:
         source = self.plan.source

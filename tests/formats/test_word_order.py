@@ -26,6 +26,8 @@ from repack.formats.stacks import (
     from_word_order,
     pack_stack,
     to_word_order,
+    transpose_from_word_order,
+    transpose_to_word_order,
     unpack_stack,
 )
 from repack.synthetic import write_synthetic_checkpoint
@@ -113,6 +115,25 @@ def test_converters_accept_non_contiguous_words():
     mma = to_word_order(words, "mma128")
     assert torch.equal(mma, _reference_to_mma128(words.contiguous()))
     assert torch.equal(from_word_order(mma.t().contiguous().t(), "mma128"), words)
+
+
+@pytest.mark.parametrize("order", ["gptq", "mma128"])
+def test_transposing_converters_match_the_definition(order):
+    """The converter's form: input-major GPTQ words [R, N] (a strided column slice, as for one chunk of a shared
+    expert) written output-major into a slice of a larger tensor, and back, without touching the input."""
+    gen = torch.Generator().manual_seed(7)
+    qweight = torch.randint(INT32_MIN, INT32_MAX + 1, (48, 30), dtype=torch.int32, generator=gen)
+    columns = qweight[:, 5:25]  # [48, 20], row stride 30
+    original = qweight.clone()
+    stack = torch.zeros((3, 20, 48), dtype=torch.int32)
+    written = transpose_to_word_order(columns, order, out=stack[1])
+    assert written.data_ptr() == stack[1].data_ptr() and torch.equal(qweight, original)
+    expected = columns.t().contiguous() if order == "gptq" else _reference_to_mma128(columns.t().contiguous())
+    assert torch.equal(stack[1], expected)
+    assert not stack[0].any() and not stack[2].any()
+    assert torch.equal(transpose_to_word_order(columns, order), expected)
+    assert torch.equal(transpose_from_word_order(stack[1], order), columns)
+    assert torch.equal(transpose_from_word_order(stack[1].t().contiguous().t(), order), columns)
 
 
 def test_gptq_order_is_the_identity():
