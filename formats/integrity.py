@@ -6,6 +6,7 @@ differ was corrupted or edited after conversion.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from repack.formats.constants import CARD_FILE, MANIFEST_FILE
@@ -14,13 +15,20 @@ from repack.formats.manifest import Manifest, check_file
 from repack.formats.paths import contained_child
 
 
-def check_output_files(out: Path, manifest: Manifest) -> int:
-    """Every output file's sha256 and size against the manifest, and no file it does not list; returns the count."""
+def output_bytes(out: Path, manifest: Manifest) -> int:
+    """Bytes of the listed output files present in ``out`` (what :func:`check_output_files` reads; a progress total)."""
+    paths = [contained_child(out, name, str(out / MANIFEST_FILE)) for name in manifest.checked_output_files]
+    return sum(path.stat().st_size for path in paths if path.is_file())
+
+
+def check_output_files(out: Path, manifest: Manifest, on_read: Callable[[int], object] | None = None) -> int:
+    """Every output file's sha256 and size against the manifest, and no file it does not list; returns the count.
+    ``on_read(n)`` after each chunk hashed (progress)."""
     checked = 0
     listed = manifest.checked_output_files
     for name, record in listed.items():
         contained_child(out, name, str(out / MANIFEST_FILE))  # a link out of the folder is refused before opening
-        check_file(out, name, record)
+        check_file(out, name, record, on_read=on_read)
         checked += 1
     present = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     extra = sorted(present - set(listed) - {MANIFEST_FILE, CARD_FILE})

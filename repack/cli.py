@@ -177,12 +177,13 @@ def verify(
     out: Path = typer.Argument(..., help="Output folder of repack convert."),
     source: str | None = typer.Option(None, "--source", help="Source folder or Hub id: bit-exact inverse check."),
     revision: str | None = typer.Option(None, help="Hub revision of --source."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Check checksums against the manifest and, with --source, the bit-exact inverse of every tensor."""
     with one_line_errors(needs_torch=True):
         from repack.verify import verify as run_verify
 
-        report = run_verify(out, source, revision)
+        report = run_verify(out, source, revision, quiet=quiet)
         detail = (
             f", {report.source_files_checked} source files, {report.stacks_checked} stacks, "
             f"{report.tensors_compared} tensors bit-exact"

@@ -14,8 +14,10 @@ from rich.progress import (
 )
 
 
-def byte_progress(quiet: bool, *extra: ProgressColumn) -> Progress:
-    """Description, bar, ``extra`` columns, bytes done/total, speed, time left; nothing when ``quiet``."""
+def byte_progress(quiet: bool, *extra: ProgressColumn, transient: bool = False) -> Progress:
+    """Description, bar, ``extra`` columns, bytes done/total, speed, time left; nothing when ``quiet``. A
+    ``transient`` one leaves nothing behind (erased on a terminal, never printed elsewhere), so a command whose
+    outcome is one line (``ok: ...`` or one ``error:``) prints just that line."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -25,5 +27,5 @@ def byte_progress(quiet: bool, *extra: ProgressColumn) -> Progress:
         TimeRemainingColumn(),
         console=Console(stderr=True),
         disable=quiet,
-        transient=False,
+        transient=transient,
     )
