@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from repack.formats.errors import RepackError
@@ -414,6 +415,7 @@ class HashingFile:
         staging_bytes = max(_DIRECT_ALIGN, staging_bytes // _DIRECT_ALIGN * _DIRECT_ALIGN)
         self._buffers = [mmap.mmap(-1, staging_bytes) for _ in range(2)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._arrays = [np.frombuffer(view, dtype=np.uint8) for view in self._views]
         self._current = 0  # index of the buffer being filled
         self._filled = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io")
@@ -423,11 +425,15 @@ class HashingFile:
         view = memoryview(data).cast("B")
         self.sha256.update(view)
         self.size += len(view)
+        source = np.frombuffer(view, dtype=np.uint8)
         done = 0
         while done < len(view):
             target = self._views[self._current]
             count = min(len(view) - done, len(target) - self._filled)
-            target[self._filled : self._filled + count] = view[done : done + count]
+            # numpy copies without the GIL (a memoryview slice assignment holds it), so the converter's thread
+            # keeps running while this one stages its 16 MB blocks; no view of a staging buffer outlives the
+            # statement (an error's traceback would keep it, and discard() could not release the buffer)
+            np.copyto(self._arrays[self._current][self._filled : self._filled + count], source[done : done + count])
             self._filled += count
             done += count
             if self._filled == len(target):
@@ -480,6 +486,7 @@ class HashingFile:
         self._io.shutdown(wait=True)
         os.close(self._fd)
         self._fd = -1
+        self._arrays = []
         for view, buffer in zip(self._views, self._buffers, strict=True):
             view.release()
             buffer.close()
