@@ -79,13 +79,10 @@ def transpose_to_word_order(words: torch.Tensor, order: str, out: torch.Tensor |
     Writes into ``out`` (any ``[N, R]`` int32 view, e.g. rows of a stack) when given; ``words`` is not modified."""
     _check_order(words.t(), order)
     rows, cols = words.shape
-    if out is None:
-        out = torch.empty((cols, rows), dtype=torch.int32)
-    if order == GPTQ_ORDER:
-        return out.copy_(words.t())
-    source, target = _uint32(words), _uint32(out)
-    scratch = np.empty((_BLOCK_WORDS, cols), dtype=np.uint32)
-    temp = np.empty((_BLOCK_WORDS // 2, cols), dtype=np.uint32)
+    out, arrays = _transposing(words, out, order, cols)
+    if arrays is None:
+        return out
+    source, target, scratch, temp = arrays
     for start in range(0, rows, _BLOCK_WORDS):
         block = _labelled(source[start : start + _BLOCK_WORDS], "gcda")
         mma = _labelled(scratch, "gadc")  # rows in mma128 order, viewed by their gptq labels
@@ -101,13 +98,10 @@ def transpose_from_word_order(words: torch.Tensor, order: str, out: torch.Tensor
     "gptq" words ``[R, N]`` (the GPTQ qweight). Writes into ``out`` when given; ``words`` is not modified."""
     _check_order(words, order)
     cols, rows = words.shape
-    if out is None:
-        out = torch.empty((rows, cols), dtype=torch.int32)
-    if order == GPTQ_ORDER:
-        return out.copy_(words.t())
-    source, target = _uint32(words), _uint32(out)
-    scratch = np.empty((_BLOCK_WORDS, cols), dtype=np.uint32)
-    temp = np.empty((_BLOCK_WORDS // 2, cols), dtype=np.uint32)
+    out, arrays = _transposing(words, out, order, cols)
+    if arrays is None:
+        return out
+    source, target, scratch, temp = arrays
     for start in range(0, rows, _BLOCK_WORDS):
         np.copyto(scratch, source[:, start : start + _BLOCK_WORDS].T)
         mma = _labelled(scratch, "gadc")
@@ -116,6 +110,20 @@ def transpose_from_word_order(words: torch.Tensor, order: str, out: torch.Tensor
         block = _labelled(target[start : start + _BLOCK_WORDS], "gcda")
         _delta_swap(mma[:, 0], mma[:, 1], *_NIBBLES, temp, into=(block[:, 0], block[:, 1]))
     return out
+
+
+def _transposing(
+    words: torch.Tensor, out: torch.Tensor | None, order: str, cols: int
+) -> tuple[torch.Tensor, tuple[np.ndarray, ...] | None]:
+    """The output (``out`` or a new int32 tensor of the transposed shape) and, for "mma128", the arrays the block
+    loop works on: words and output as uint32, the scratch rows of one block (``cols`` wide) and the temporary
+    words of a delta swap. For "gptq" the output already holds the answer (a plain transpose) and no arrays."""
+    if out is None:
+        out = torch.empty(tuple(reversed(words.shape)), dtype=torch.int32)
+    if order == GPTQ_ORDER:
+        return out.copy_(words.t()), None
+    scratch = np.empty((_BLOCK_WORDS, cols), dtype=np.uint32)
+    return out, (_uint32(words), _uint32(out), scratch, np.empty_like(scratch[: _BLOCK_WORDS // 2]))
 
 
 def _labelled(rows: np.ndarray, layout: str) -> np.ndarray:
