@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from repack.formats.manifest import SELF_CHECKSUM
 from tests.support.cli import assert_one_line_error, copy_checkpoint, edit_weights, run_cli
 from tests.support.fixtures import FIXTURES_DIR
 
@@ -114,17 +115,20 @@ def test_catastrophic_dynamic_regex_is_stopped(src, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "manifest,must_contain",
+    "fields,must_contain",
     [
-        ([1, 2], "not a JSON object"),
-        ({"output_files": ["model.safetensors"]}, "output_files must map"),
-        ({"output_files": {"config.json": "abc"}}, "output_files must map"),
-        ({"output_files": {}, "source_files": {"config.json": 5}}, "source_files must map"),
-        ({"output_files": {}, "source": "org/name"}, "source must be an object"),
+        (None, "not a JSON object"),
+        ({"output_files": ["model.safetensors"]}, "output_files is not an object"),
+        ({"output_files": {"config.json": "abc"}}, "output_files entry 'config.json' is not an object"),
+        ({"source_files": {"config.json": 5}}, "source_files entry 'config.json' is not an object"),
+        ({"source": "org/name"}, "source is not an object"),
     ],
 )
-def test_verify_on_a_misshapen_manifest_is_one_line(tmp_path, manifest, must_contain):
+def test_verify_on_a_misshapen_manifest_is_one_line(tmp_path, fields, must_contain):
+    """A real manifest with one field misshapen (its own checksum dropped, as older manifests have none)."""
     out = tmp_path / "out"
     assert run_cli("convert", SYM, out, "--quiet").exit_code == 0
-    (out / "repack_manifest.json").write_text(json.dumps(manifest))
+    manifest = json.loads((out / "repack_manifest.json").read_text())
+    manifest.pop(SELF_CHECKSUM)
+    (out / "repack_manifest.json").write_text(json.dumps([1, 2] if fields is None else {**manifest, **fields}))
     assert_one_line_error(run_cli("verify", out), "repack_manifest.json", must_contain)
