@@ -317,7 +317,13 @@ def flags_without_value_hint(command) -> None:
 def main() -> None:
     command = typer.main.get_command(app)
     flags_without_value_hint(command)
-    command()
+    try:
+        command()
+    finally:
+        # The command is over (its output published, or its one line printed). A Ctrl-C now would land in the
+        # interpreter's shutdown (joining worker threads) and kill the process with no message: ignore it.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

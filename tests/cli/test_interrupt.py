@@ -84,8 +84,8 @@ def test_ctrl_c_while_starting_up_is_one_line_and_writes_nothing(tmp_path, delay
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
-    if proc.returncode == 0:  # the whole run beat the signal: nothing to check but a complete OUT
-        assert (out / "repack_manifest.json").is_file()
+    if (out / "repack_manifest.json").is_file():  # the run published OUT before the signal: 0, or 130 saying so
+        assert proc.returncode == 0 or (proc.returncode == 130 and "was complete" in stderr), (proc.returncode, stderr)
         return
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["error: interrupted; nothing was written to the output folder"], stderr
