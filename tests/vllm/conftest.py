@@ -21,7 +21,8 @@ SOURCE_TREE = Path(__file__).parents[2]
 def pytest_sessionstart(session) -> None:
     import repack.runtime
 
-    if Path(repack.runtime.__file__).resolve().is_relative_to(SOURCE_TREE):
+    # The venv may live inside the tree (.venv-vllm): what must not be imported is the source package folder itself.
+    if Path(repack.runtime.__file__).resolve().parent == (SOURCE_TREE / "runtime").resolve():
         raise pytest.UsageError(
             f"repack is imported from the source tree ({repack.runtime.__file__}), not an installed wheel; run "
             "`make test-vllm` (pytest --import-mode=append from the vLLM venv)"
