@@ -28,15 +28,13 @@ from repack.formats.errors import RepackError
 from repack.formats.hub import download_snapshot, looks_like_repo_id
 from repack.formats.integrity import check_output_files
 from repack.formats.manifest import Manifest
-from repack.formats.stacks import ROUTED, SHARED, StackInfo
+from repack.formats.stacks import ACTIVATION_DTYPES, ROUTED, SHARED, StackInfo
 from repack.runtime.kernels.backend import check_kernel_backend
 from repack.runtime.moe_block import MoeBlock, block_prefix, resolve_shared_mode
 from repack.runtime.routers import router_spec
 from repack.runtime.weights import MoeWeights, join_adjacent
 
 STAGING_CHUNK_BYTES = 256 << 20  # per pinned staging buffer; two of them alternate
-
-ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -53,6 +53,7 @@ from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqFormatError, GptqLinear
 from repack.formats.quant_config import parse_quant_config
 from repack.formats.stacks import (
+    ACTIVATION_DTYPES,
     FORMAT_NAME,
     QUANT_METHOD,
     ROUTED,
@@ -63,7 +64,7 @@ from repack.formats.stacks import (
 )
 from repack.runtime.kernels.backend import check_kernel_backend
 from repack.runtime.loader import load
-from repack.runtime.moe_block import ACTIVATION_DTYPES, MoeBlock
+from repack.runtime.moe_block import MoeBlock
 from repack.runtime.routers import DEEPSEEK_V3, RouterSpec, router_spec
 
 logger = logging.get_logger(__name__)

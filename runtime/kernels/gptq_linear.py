@@ -25,9 +25,8 @@ from torch import nn
 
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, trivial_g_idx
-
-ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+from repack.formats.stacks import ACTIVATION_DTYPES
+from repack.runtime.kernels.common import TL_DTYPES
 
 
 @triton.jit
@@ -174,7 +173,7 @@ def gptq_linear(
             ZERO_WORD_ADD=_word_add(scheme.bits),
             GATHER_GROUPS=gather,
             HAS_BIAS=linear.bias is not None,
-            ACT_DTYPE=_TL_DTYPES[x.dtype],
+            ACT_DTYPE=TL_DTYPES[x.dtype],
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
