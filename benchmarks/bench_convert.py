@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_load import evict  # run as a script: benchmarks/ is sys.path[0]
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## Conversion (CPU)"
@@ -67,12 +69,7 @@ def drop_page_cache(*folders: Path) -> bool:
     except OSError:
         pass
     files = [path for folder in folders if folder.is_dir() for path in folder.rglob("*") if path.is_file()]
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(files)
     return bool(files)
 
 
