@@ -51,17 +51,21 @@ def supports_weight_major(weights: MoeWeights) -> bool:
     return weight_major.supports(weights.bits, weights.hidden_size, weights.intermediate_size, weights.group_size)
 
 
-def choose_kernels(weights: MoeWeights, config: KernelConfig, device: torch.device) -> Kernels:
-    """The family that runs on ``device``: the config's, except that the Gluon sm_90 kernels run where they are
-    asked for (a ``gluon`` tile on an aligned tensor-core config, or $GLUON_ENV) and can run (an mma128 stack, a
-    Hopper GPU: kernels/backend.py) unless $PORTABLE_ENV, mma128 words are otherwise read only by the decode and
-    weight-major kernels, and a stack the weight-major kernels cannot run takes the gptq-order kernels."""
+def choose_kernels(
+    weights: MoeWeights, config: KernelConfig, device: torch.device, dtype: torch.dtype, num_pairs: int
+) -> Kernels:
+    """The family that runs on ``device``: the config's, except that the Gluon sm_90 kernels run on an aligned
+    tensor-core config where they can (an mma128 stack, a Hopper GPU: kernels/backend.py) and either are faster
+    there (:func:`gluon_sm90.preferred`) or are asked for (a ``gluon`` tile, or $GLUON_ENV), unless
+    $PORTABLE_ENV; mma128 words are otherwise read only by the decode and weight-major kernels, and a stack the
+    weight-major kernels cannot run takes the gptq-order kernels."""
     if config.kernels is Kernels.DECODE:
         return Kernels.DECODE
-    gluon_asked = config.gluon is not None or os.environ.get(GLUON_ENV, "") == "1"
     gluon_allowed = not config.direct and os.environ.get(PORTABLE_ENV, "") != "1"
-    if gluon_asked and gluon_allowed and gluon_sm90.supports(weights) and gluon_sm90_runs(device):
-        return Kernels.GLUON_SM90
+    if gluon_allowed and gluon_sm90.supports(weights) and gluon_sm90_runs(device):
+        asked = config.gluon is not None or os.environ.get(GLUON_ENV, "") == "1"
+        if asked or gluon_sm90.preferred(weights, dtype, num_pairs):
+            return Kernels.GLUON_SM90
     if weights.mma_order or (config.kernels is Kernels.WEIGHT_MAJOR and supports_weight_major(weights)):
         return Kernels.WEIGHT_MAJOR
     return Kernels.GPTQ_ORDER
@@ -72,7 +76,8 @@ def kernel_path(
 ) -> Kernels:
     """The family ``fused_moe(hidden_states, weights, <[M, top_k] ids>, ..., config=config)`` runs."""
     cfg = _config(config, weights, hidden_states, top_k)
-    return choose_kernels(weights, cfg, hidden_states.device)
+    num_pairs = hidden_states.shape[0] * top_k
+    return choose_kernels(weights, cfg, hidden_states.device, hidden_states.dtype, num_pairs)
 
 
 def _config(config: KernelConfig | Mapping | None, weights: MoeWeights, x: torch.Tensor, top_k: int) -> KernelConfig:
@@ -147,7 +152,7 @@ def fused_moe(
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     ids = topk_ids.contiguous()
     route_w = topk_weights.to(torch.float32).contiguous()
-    kernels = choose_kernels(weights, cfg, device)
+    kernels = choose_kernels(weights, cfg, device, dtype, m * top_k)
     if kernels is Kernels.DECODE:
         decode.run(x, weights, ids, route_w, out, cfg)
         return out
@@ -161,7 +166,7 @@ def fused_moe(
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)  # [P, H] one row per pair
     direct = kernels is Kernels.WEIGHT_MAJOR and cfg.direct
-    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # asked for by $GLUON_ENV: the heuristic's tile
+    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # no tuned Gluon tile: the heuristic's
         cfg = replace(cfg, gluon=gluon_sm90.heuristic(num_pairs, weights.num_experts))
     block_m = cfg.gluon.block_m if kernels is Kernels.GLUON_SM90 else cfg.block_m
     rows = None if direct else align_pairs(ids, weights.num_experts, block_m)

@@ -50,35 +50,61 @@ class Kernels(str, Enum):
 @dataclass(frozen=True)
 class GluonTile:
     """The Gluon sm_90 kernels' launch shape: ``block_m`` tokens (the wgmma N), ``block_n`` output channels per
-    program (w13 reads ``2 * block_n`` weight rows), ``group_m`` token blocks per weight-tile group, ``stages`` K
-    steps in the shared-memory ring. JSON: ``"GLUON": [block_m, block_n, group_m(, stages)]``."""
+    w13 program (``2 * block_n`` weight rows: gate and up), ``group_m`` token blocks per weight-tile group,
+    ``stages`` K steps in the shared-memory ring, ``warps`` 4 or 8 (one or two warpgroups sharing the block's
+    activations: twice the weight rows per activation byte read, benchmarks/KERNEL_NOTES.md item 16) and
+    ``w2_block_n`` w2's weight rows per program (0: the w13 tile's row count, at least 64).
+    JSON: ``"GLUON": [block_m, block_n, group_m(, stages(, warps(, w2_block_n)))]``."""
 
     block_m: int
     block_n: int
     group_m: int = 1
     stages: int = 4
+    warps: int = 4
+    w2_block_n: int = 0
 
     def __post_init__(self) -> None:
-        if self.block_m not in (16, 32, 64, 128) or self.block_n not in (32, 64, 128, 256):
+        if self.block_m not in (16, 32, 64, 128) or self.block_n not in (64, 128, 256):
             raise RepackError(
                 f"kernel config: GLUON: unsupported tile {self.block_m} x {self.block_n}; use block_m in "
-                "16/32/64/128 and block_n in 32/64/128/256"
+                "16/32/64/128 and block_n in 64/128/256"
             )
         if self.group_m < 1 or self.stages < 2:
             raise RepackError(f"kernel config: GLUON: group_m {self.group_m} < 1 or stages {self.stages} < 2")
+        if self.warps not in (4, 8) or self.w2_block_n not in (0, 64, 128, 256):
+            raise RepackError(
+                f"kernel config: GLUON: warps {self.warps} / w2_block_n {self.w2_block_n}; use warps 4 or 8 and "
+                "w2_block_n 0 (the w13 rows), 64, 128 or 256"
+            )
+        # Each warp owns 16 weight rows; w13's gate/up halves must split on a register bit, not a warp bit.
+        if self.block_n < 16 * self.warps or self.w2_rows < 16 * self.warps:
+            raise RepackError(
+                f"kernel config: GLUON: {self.warps} warps need block_n and w2_block_n >= {16 * self.warps}"
+            )
+
+    @property
+    def w2_rows(self) -> int:
+        """w2's weight rows per program."""
+        return self.w2_block_n or max(64, min(256, 2 * self.block_n) if self.warps == 8 else self.block_n)
 
     @classmethod
     def from_list(cls, entry: object) -> GluonTile:
         if (
             not isinstance(entry, (list, tuple))
-            or not 2 <= len(entry) <= 4
+            or not 2 <= len(entry) <= 6
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
         ):
-            raise RepackError(f"kernel config: GLUON must be [block_m, block_n, group_m(, stages)], not {entry!r}")
+            raise RepackError(
+                "kernel config: GLUON must be [block_m, block_n, group_m(, stages(, warps(, w2_block_n)))], "
+                f"not {entry!r}"
+            )
         return cls(*entry)
 
     def to_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.group_m, self.stages]
+        values = [self.block_m, self.block_n, self.group_m, self.stages, self.warps, self.w2_block_n]
+        while len(values) > 4 and values[-1] == (4, 0)[len(values) - 5]:  # trailing defaults left out
+            values.pop()
+        return values
 
 
 @dataclass(frozen=True)
@@ -228,8 +254,9 @@ def config_file_name(num_experts: int, intermediate_size: int, name: str) -> str
 
 def direct_mode(num_pairs: int, num_experts: int) -> bool:
     """Decode: one CUDA-core program per (token, k) pair beats sorting while pairs rarely share experts
-    (where the H200 crossover sits: benchmarks/RESULTS.md)."""
-    return num_pairs <= max(32, num_experts // 2)
+    (where the H200 crossover sits: benchmarks/RESULTS.md). Each pair reads its expert's weights: with more pairs
+    than experts (Mixtral's eight at 16 tokens: four reads of every expert) the sorted path reads each once."""
+    return num_pairs <= max(32, num_experts // 2) and num_pairs <= max(8, num_experts)
 
 
 def heuristic_config(num_tokens: int, top_k: int, num_experts: int) -> KernelConfig:

@@ -33,7 +33,6 @@ capability 9.0; :func:`available` says whether this Triton has the Gluon Hopper 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import triton
@@ -58,7 +57,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = exc
 
 STEP_K = 128  # K values per step: 16 int32 words per row, eight 16-deep wgmmas
-NUM_WARPS = 4  # one warpgroup: wgmma's unit
 
 
 def available() -> bool:
@@ -67,22 +65,33 @@ def available() -> bool:
 
 
 def heuristic(num_pairs: int, num_experts: int) -> GluonTile:
-    """A tile for a shape nobody tuned: the token tile follows the rows each expert gets."""
+    """A tile for a shape nobody tuned: the token tile follows the rows each expert gets; past 48 two warpgroups
+    share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16)."""
     per_expert = num_pairs / max(1, num_experts)
-    if per_expert <= 12:
+    if per_expert <= 8:
         return GluonTile(16, 64, 1)
     if per_expert <= 24:
         return GluonTile(32, 64, 4)
-    return GluonTile(64, 64, 8)
+    if per_expert <= 48:
+        return GluonTile(64, 64, 8)
+    return GluonTile(128, 128, 8, 4, 8)
 
 
-# Every tile the heuristic picks, and the wider ones measured on the H200: the CPU compile test builds each for sm_90.
+def preferred(weights: MoeWeights, dtype: torch.dtype, num_pairs: int) -> bool:
+    """Whether these kernels beat the tl weight-major ones on an aligned call, as measured on the H200
+    (benchmarks/KERNEL_NOTES.md item 16): fp16 always; bf16 (four more instructions per two weights) from 48
+    rows per expert up; never act-order (its column gather goes through registers here)."""
+    if weights.w13_perm is not None:
+        return False
+    return dtype == torch.float16 or num_pairs / max(1, weights.num_experts) > 48
+
+
+# Every tile the heuristic picks: the CPU compile test builds each for sm_90.
 SHIPPED_TILES = (
     GluonTile(16, 64, 1),
     GluonTile(32, 64, 4),
     GluonTile(64, 64, 8),
-    GluonTile(16, 128, 1),
-    GluonTile(32, 128, 4),
+    GluonTile(128, 128, 8, 4, 8),
 )
 
 
@@ -91,43 +100,57 @@ SHIPPED_TILES = (
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def word_layout(rows: int):
+def word_layout(rows: int, warps: int):
     """[rows, 8] int32 words of half a K step: thread (warp w, lane l) holds rows ``16w + l // 4 (+ 8)`` (and
-    every 64 rows on), words ``l % 4`` and ``l % 4 + 4``: exactly the words its wgmma A fragment needs."""
-    reg = [[8, 0], [0, 4]] + [[64 << j, 0] for j in range(int(math.log2(rows // 64)))]
+    every ``16 * warps`` rows on), words ``l % 4`` and ``l % 4 + 4``: exactly the words its wgmma A fragment
+    needs (warps 0-3 are the first warpgroup's 64 rows, 4-7 the second's)."""
+    cta_rows = 16 * warps
+    reg = [[8, 0], [0, 4]] + [[cta_rows << j, 0] for j in range(int(math.log2(rows // cta_rows)))]
     lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
-    warp = [[16, 0], [32, 0]]
+    warp = [[16 << j, 0] for j in range(int(math.log2(warps)))]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 8])
 
 
-def mma_layout(block_m: int):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, block_m, 16])
+def mma_layout(block_m: int, warps: int):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
 
 
-def x_layout():
-    """[8 * tokens, 16] activations of one K step (chunk-major rows), 16-byte loads along K."""
-    return gl.BlockedLayout([1, 8], [16, 2], [NUM_WARPS, 1], [1, 0])
+def x_parts(block_m: int, warps: int) -> int:
+    """Parts of a K step's activation copy (see ``_copy_x``): its two halves apart (fewer address and, for
+    act-order, gathered-value registers at once), or both at once where a half has fewer rows than the copy
+    layout (whose repeated rows would copy twice)."""
+    return 2 if block_m >= 4 * warps else 1
 
 
-def out_layout(block_n: int):
-    """[channels, tokens] epilogue tiles: 8 channels per thread so stores along a row are 16 bytes wide."""
-    lanes_n = min(32, max(1, block_n // 8))
-    return gl.BlockedLayout([8, 1], [lanes_n, 32 // lanes_n], [1, NUM_WARPS], [0, 1])
+def x_layout(warps: int):
+    """[rows, 64] activations (one half K step of a token per row): eight threads move a row's 128 bytes, 16 each,
+    which under the 128-byte swizzle of the shared ring is one conflict-free wavefront."""
+    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
 
 
-def _layouts(rows: int, block_m: int, block_n: int) -> dict:
-    mma = mma_layout(block_m)
+def out_layout(block_n: int, block_m: int, warps: int):
+    """[channels, tokens] epilogue tiles, up to 8 channels per thread (stores along a row 16 bytes wide), no
+    element held by two threads (the w2 epilogue adds atomically)."""
+    per_thread = min(8, max(1, block_n * block_m // (32 * warps)))
+    lanes_n = min(32, block_n // per_thread)
+    lanes_m = 32 // lanes_n
+    warps_m = min(warps, max(1, block_m // lanes_m))
+    return gl.BlockedLayout([per_thread, 1], [lanes_n, lanes_m], [warps // warps_m, warps_m], [0, 1])
+
+
+def _layouts(rows: int, block_m: int, block_n: int, warps: int) -> dict:
+    mma = mma_layout(block_m, warps)
     return dict(
-        WORD_LAYOUT=word_layout(rows),
+        WORD_LAYOUT=word_layout(rows, warps),
         ACC_LAYOUT=mma,
         A_LAYOUT=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
-        X_LAYOUT=x_layout(),
-        X_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2),
-        OUT_LAYOUT=out_layout(block_n),
-        W_COPY_LAYOUT=gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0]),
-        # Pairs of words XOR-swizzled by row (mod 8): the eight rows a warp reads at once (words t, t + 4 of
-        # rows r, r + 8) then fall in distinct banks.
-        W_SMEM_LAYOUT=gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]),
+        X_LAYOUT=x_layout(warps),
+        X_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+        OUT_LAYOUT=out_layout(block_n, block_m, warps),
+        W_COPY_LAYOUT=gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0]),
+        # 16-byte units (what one thread copies: whole 32-byte sectors per row from global memory) XOR-swizzled by
+        # row // 2 (mod 4): the eight rows whose word t a warp reads at once then fall in distinct banks.
+        W_SMEM_LAYOUT=gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0]),
     )
 
 
@@ -197,65 +220,83 @@ if available():
 
     @gluon.jit
     def _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr,
-                X_LAYOUT: gl.constexpr):  # fmt: skip
-        """cp.async the [8 * BLOCK_M, 16] activations of the K step at ``k0`` into ``x_stage``:
-        row ``c * BLOCK_M + j`` holds inputs ``16c .. 16c + 15`` of the block's token j (act-order: the columns
-        the permutation names). In parts of ``8 // parts(HAS_PERM)`` chunks (``token_rows``, ``pair_mask``: one
-        part's rows), so the addresses (act-order: and the gathered values) take fewer registers at once."""
-        PARTS: gl.constexpr = 4 if HAS_PERM else 2
-        CHUNKS: gl.constexpr = 8 // PARTS
-        r = gl.arange(0, CHUNKS * BLOCK_M, layout=gl.SliceLayout(1, X_LAYOUT))
-        within = gl.arange(0, 16, layout=gl.SliceLayout(0, X_LAYOUT))
-        for part in gl.static_range(PARTS):
-            inputs = k0 + gl.expand_dims((part * CHUNKS + r // BLOCK_M) * 16, 1) + gl.expand_dims(within, 0)
-            dst = x_stage.slice(part * CHUNKS * BLOCK_M, CHUNKS * BLOCK_M)
+                X_PARTS: gl.constexpr, X_LAYOUT: gl.constexpr):  # fmt: skip
+        """cp.async the [2 * BLOCK_M, 64] activations of the K step at ``k0`` into ``x_stage``: row
+        ``h * BLOCK_M + j`` holds inputs ``k0 + 64h .. k0 + 64h + 63`` of the block's token j (act-order: the columns
+        the permutation names). In ``X_PARTS`` parts of whole halves (:func:`x_parts`; ``token_rows``,
+        ``pair_mask``: one part's rows)."""
+        PART_ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS
+        r = gl.arange(0, PART_ROWS, layout=gl.SliceLayout(1, X_LAYOUT))
+        within = gl.arange(0, 64, layout=gl.SliceLayout(0, X_LAYOUT))
+        for part in gl.static_range(X_PARTS):
+            half = gl.expand_dims((part * PART_ROWS + r) // BLOCK_M, 1)
+            dst = x_stage.slice(part * PART_ROWS, PART_ROWS)
             if HAS_PERM:  # a gather of single columns: cp.async moves 4 bytes at least, so through registers
-                inputs = gl.load(perm_row_ptr + inputs)
+                # The permuted columns of both halves, once per thread column, broadcast over the rows.
+                first = gl.expand_dims(gl.load(perm_row_ptr + k0 + within), 0)
+                second = gl.expand_dims(gl.load(perm_row_ptr + k0 + 64 + within), 0)
+                inputs = gl.where(half == 0, first, second)
                 dst.store(gl.load(token_rows + inputs, mask=pair_mask, other=0.0))
             else:
+                inputs = k0 + half * 64 + gl.expand_dims(within, 0)
                 async_copy.async_copy_global_to_shared(dst, token_rows + inputs, mask=pair_mask)
 
     @gluon.jit
+    def _x_chunk(x_stage, c: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Chunk c (inputs 16c .. 16c + 15 of the K step) of every token: the [16, BLOCK_M] wgmma B operand."""
+        return x_stage.slice(c // 4 * BLOCK_M, BLOCK_M).slice(c % 4 * 16, 16, dim=1).permute((1, 0))
+
+    @gluon.jit
     def _copy_step(w_stage, x_stage, w_rows, w_ok, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr,
-                   HAS_PERM: gl.constexpr, X_LAYOUT: gl.constexpr, W_COPY_LAYOUT: gl.constexpr):  # fmt: skip
+                   HAS_PERM: gl.constexpr, X_PARTS: gl.constexpr, X_LAYOUT: gl.constexpr,
+                   W_COPY_LAYOUT: gl.constexpr):  # fmt: skip
         """cp.async one K step into a ring stage, as one commit group: the [rows, 16] words (16 bytes a thread) and
-        the [8 * BLOCK_M, 16] activations (see :func:`_copy_x`)."""
+        the [2 * BLOCK_M, 64] activations (see :func:`_copy_x`)."""
         offs_w = gl.arange(0, 16, layout=gl.SliceLayout(0, W_COPY_LAYOUT))
         async_copy.async_copy_global_to_shared(w_stage, w_rows + k0 // 8 + gl.expand_dims(offs_w, 0), mask=w_ok)
-        _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M, HAS_PERM, X_LAYOUT)
+        _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M, HAS_PERM, X_PARTS, X_LAYOUT)
 
     @gluon.jit
     def _k_loop(w_rows, w_ok, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask, perm_row_ptr, K,
                 stride_s_g, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
-                HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr, WORD_LAYOUT: gl.constexpr,
-                ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
+                HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr, X_PARTS: gl.constexpr,
+                WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
                 X_SMEM_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
                 W_SMEM_LAYOUT: gl.constexpr):  # fmt: skip
         """acc [ROWS, BLOCK_M] = W[rows, :] @ X[:, pairs] for one program: the loop both GEMMs share.
 
-        A ring of STAGES K steps (words and activations, cp.async) runs STAGES - 1 steps ahead of the MMAs: the
+        A ring of STAGES K steps (words and activations, cp.async) runs STAGES - 2 steps ahead of the MMAs: the
         bytes in flight, not the MMA, set the speed of a memory-bound GEMM. ``w_rows`` [ROWS, 1] points at each
         weight row's first word (copy layout), ``w_ok`` its mask."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         IS_FP16: gl.constexpr = dtype == gl.float16
-        x_smem = gl.allocate_shared_memory(dtype, [STAGES, 8 * BLOCK_M, 16], X_SMEM_LAYOUT)
+        x_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_SMEM_LAYOUT)
         acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
         scale2, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, 0, stride_s_g, HAS_ZEROS, SYM_ZERO,
                                           IS_FP16)  # fmt: skip
-        num_steps = K // 128
-        for s in gl.static_range(STAGES - 1):
+        num_steps = K // 128  # steps clamp in step units: their word offsets stay 64-byte aligned (16-byte copies)
+        AHEAD: gl.constexpr = STAGES - 2  # steps in flight; one more stage is still read by the last wgmma
+        for s in gl.static_range(AHEAD):
             _copy_step(w_smem.index(s), x_smem.index(s), w_rows, w_ok, token_rows, pair_mask, perm_row_ptr,
-                       gl.minimum(s * 128, K - 128), BLOCK_M, HAS_PERM, X_LAYOUT, W_COPY_LAYOUT)  # fmt: skip
+                       gl.minimum(s, num_steps - 1) * 128, BLOCK_M, HAS_PERM, X_PARTS, X_LAYOUT,
+                       W_COPY_LAYOUT)  # fmt: skip
             async_copy.commit_group()
         for step in range(num_steps):
-            k0 = step * 128
-            k_next = gl.minimum(k0 + 128, K - 128)
+            k_next = gl.minimum(step + 1, num_steps - 1) * 128
             next_quant = _step_quant(scales_e, zeros_e, rows, rows_ok, k_next // GROUP_LEN, stride_s_g,
                                      HAS_ZEROS, SYM_ZERO, IS_FP16)  # fmt: skip
-            async_copy.wait_group(STAGES - 2)  # this step's stage has landed (this thread's copies)
+            async_copy.wait_group(AHEAD - 1)  # this step's stage has landed (this thread's copies)
             fence_async_shared()
-            gl.thread_barrier()  # ... and every thread's
+            # One barrier per step: every thread's copies of this step have landed, and every thread is done
+            # with step - 2's stage (its words loaded, its wgmmas waited for in step - 1), which the copy of step
+            # + AHEAD overwrites right away, before this step reads anything (so no other barrier is needed).
+            gl.thread_barrier()
+            ahead = (step + AHEAD) % STAGES
+            _copy_step(w_smem.index(ahead), x_smem.index(ahead), w_rows, w_ok, token_rows, pair_mask, perm_row_ptr,
+                       gl.minimum(step + AHEAD, num_steps - 1) * 128, BLOCK_M, HAS_PERM, X_PARTS, X_LAYOUT,
+                       W_COPY_LAYOUT)  # fmt: skip
+            async_copy.commit_group()
             here = step % STAGES
             w_stage = w_smem.index(here)
             low = w_stage.slice(0, 8, dim=1).load(WORD_LAYOUT)
@@ -264,15 +305,8 @@ if available():
             for c in gl.static_range(8):
                 words = low if c < 4 else high
                 a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, dtype, A_LAYOUT)
-                b = x_stage.slice(c * BLOCK_M, BLOCK_M).permute((1, 0))
-                acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma(a, _x_chunk(x_stage, c, BLOCK_M), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-                if c == 0:  # the previous step's MMAs are done: its stage takes the step STAGES - 1 ahead
-                    ahead = (step + STAGES - 1) % STAGES
-                    _copy_step(w_smem.index(ahead), x_smem.index(ahead), w_rows, w_ok, token_rows, pair_mask,
-                               perm_row_ptr, gl.minimum(k0 + (STAGES - 1) * 128, K - 128), BLOCK_M, HAS_PERM,
-                               X_LAYOUT, W_COPY_LAYOUT)  # fmt: skip
-                    async_copy.commit_group()
             scale2, bias2, odd2 = next_quant
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
@@ -281,14 +315,14 @@ if available():
     @gluon.jit
     def _block(pid, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pid_m, N, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, X_LAYOUT: gl.constexpr,
-               HAS_PERM: gl.constexpr):  # fmt: skip
+               X_PARTS: gl.constexpr):  # fmt: skip
         """(pid_m, pid_n, pairs [rows, 1] as one part of the activation rows repeats them, expert, whether the block
         exists)."""
         # common.tile_ids is a triton.jit function: Gluon compiles a jit callee with its own (Gluon) semantics, and
         # scalar arithmetic needs no layout, so the grouped order is the tl kernels' own.
         pid_m, pid_n = tile_ids(pid, num_pid_m, gl.cdiv(N, BLOCK_N), GROUP_M)
         live = pid_m < gl.load(num_blocks_ptr)
-        ROWS: gl.constexpr = (2 if HAS_PERM else 4) * BLOCK_M  # one part of _copy_x
+        ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS  # one part of _copy_x
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, X_LAYOUT))
         pairs = gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + r % BLOCK_M), 1)
         expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
@@ -315,7 +349,8 @@ if available():
         num_pairs, num_pid_m, N, K,
         stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
-        HAS_PERM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+        HAS_PERM: gl.constexpr, X_PARTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        GROUP_M: gl.constexpr,
         WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
         X_SMEM_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
         W_SMEM_LAYOUT: gl.constexpr,
@@ -324,7 +359,7 @@ if available():
         A tile of 2 * BLOCK_N rows, split by the epilogue."""
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
                                                    num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
-                                                   GROUP_M, X_LAYOUT, HAS_PERM)  # fmt: skip
+                                                   GROUP_M, X_LAYOUT, X_PARTS)  # fmt: skip
         pair_mask = pairs < num_pairs
         if live:
             ROWS: gl.constexpr = 2 * BLOCK_N
@@ -336,7 +371,7 @@ if available():
             token_rows = x_ptr + (pairs // TOP_K).to(gl.int64) * stride_x
             acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K,
-                          K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, WORD_LAYOUT,
+                          K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, X_PARTS, WORD_LAYOUT,
                           ACC_LAYOUT, A_LAYOUT, X_LAYOUT, X_SMEM_LAYOUT, STAGES, W_COPY_LAYOUT,
                           W_SMEM_LAYOUT)  # fmt: skip
             gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
@@ -354,7 +389,8 @@ if available():
         num_pairs, num_pid_m, N, K,
         stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
-        ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+        ATOMIC: gl.constexpr, X_PARTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        GROUP_M: gl.constexpr,
         WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
         X_SMEM_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
         W_SMEM_LAYOUT: gl.constexpr,
@@ -362,7 +398,7 @@ if available():
         """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
                                                    num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
-                                                   GROUP_M, X_LAYOUT, False)  # fmt: skip
+                                                   GROUP_M, X_LAYOUT, X_PARTS)  # fmt: skip
         pair_mask = pairs < num_pairs
         if live:
             rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
@@ -371,7 +407,7 @@ if available():
             token_rows = inter_ptr + pairs.to(gl.int64) * stride_inter
             acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K,
-                          stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False, WORD_LAYOUT,
+                          stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False, X_PARTS, WORD_LAYOUT,
                           ACC_LAYOUT, A_LAYOUT, X_LAYOUT, X_SMEM_LAYOUT, STAGES, W_COPY_LAYOUT,
                           W_SMEM_LAYOUT)  # fmt: skip
             acc = gl.convert_layout(acc, OUT_LAYOUT)
@@ -399,17 +435,25 @@ def supports(weights: MoeWeights) -> bool:
     return weights.mma_order and weights.bits == 4
 
 
-def _flags(weights: MoeWeights, top_k: int, k: int, cfg: GluonTile, rows: int) -> dict:
+def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,
+                     has_perm: bool = False, atomic: bool = False) -> dict:  # fmt: skip
+    """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`run` launches and
+    the CPU compile test (tests/runtime/test_gluon_compile_sm90.py) builds."""
+    block_n, rows = (tile.block_n, 2 * tile.block_n) if kernel == "w13" else (tile.w2_rows, tile.w2_rows)
+    flags = dict(HAS_PERM=has_perm) if kernel == "w13" else dict(ATOMIC=atomic)
     return dict(
+        flags,
         TOP_K=top_k,
-        GROUP_LEN=weights.group_len(k),
+        GROUP_LEN=group_len,
         SYM_ZERO=8,
-        HAS_ZEROS=weights.w13_zeros is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        GROUP_M=cfg.group_m,
-        STAGES=cfg.stages,
-        **_layouts(rows, cfg.block_m, cfg.block_n),
+        HAS_ZEROS=has_zeros,
+        X_PARTS=x_parts(tile.block_m, tile.warps),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=block_n,
+        GROUP_M=tile.group_m,
+        STAGES=tile.stages,
+        num_warps=tile.warps,
+        **_layouts(rows, tile.block_m, block_n, tile.warps),
     )
 
 
@@ -433,20 +477,21 @@ def run(
     num_pid_m = rows.max_blocks
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
-    perm = weights.w13_perm if weights.w13_perm is not None else rows.sorted_pairs
+    has_perm, has_zeros = weights.w13_perm is not None, weights.w13_zeros is not None
+    perm = weights.w13_perm if has_perm else rows.sorted_pairs
     w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
     row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
     grid13 = (num_pid_m * triton.cdiv(n_inter, tile.block_n),)
     _w13_kernel[grid13](
         x, w13, s13, zeros13, perm, inter, *row_args, n_inter, h,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
-        HAS_PERM=weights.w13_perm is not None, num_warps=NUM_WARPS,
-        **_flags(weights, top_k, h, tile, 2 * tile.block_n),
+        **launch_constants(tile, "w13", top_k=top_k, group_len=weights.group_len(h), has_zeros=has_zeros,
+                           has_perm=has_perm),
     )  # fmt: skip
-    w2_tile = tile if tile.block_n >= 64 else replace(tile, block_n=64)
-    grid2 = (num_pid_m * triton.cdiv(h, w2_tile.block_n),)
+    grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](
         inter, w2, s2, zeros2, route_w, target, *row_args, h, n_inter,
         inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), target.stride(0),
-        ATOMIC=atomic, num_warps=NUM_WARPS, **_flags(weights, top_k, n_inter, w2_tile, w2_tile.block_n),
+        **launch_constants(tile, "w2", top_k=top_k, group_len=weights.group_len(n_inter), has_zeros=has_zeros,
+                           atomic=atomic),
     )  # fmt: skip

@@ -24,7 +24,6 @@ VARIANTS = [("float16", False), ("bfloat16", True)]  # (activation dtype, asym w
 
 _CHILD = r"""
 import json, sys
-from dataclasses import replace
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -38,16 +37,14 @@ types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr="*fp32", qw_ptr="*i32", scales_pt
              zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",
              block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32")
 report = {}
-for name, kernel, rows in (("w13", g._w13_kernel, 2 * cfg.block_n), ("w2", g._w2_kernel, max(64, cfg.block_n))):
-    tile = cfg if name == "w13" else replace(cfg, block_n=max(64, cfg.block_n))
-    consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                  GROUP_M=tile.group_m, STAGES=tile.stages, **g._layouts(rows, tile.block_m, tile.block_n))
-    consts.update({"HAS_PERM": asym} if name == "w13" else {"ATOMIC": True})
+for name, kernel in (("w13", g._w13_kernel), ("w2", g._w2_kernel)):
+    consts = g.launch_constants(cfg, name, top_k=8, group_len=128, has_zeros=asym, has_perm=asym, atomic=True)
+    num_warps = consts.pop("num_warps")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
     k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS))
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     report[name] = dict(shared=k.metadata.shared, ptx=k.asm["ptx"])
 print(json.dumps(report))
 """
@@ -55,7 +52,7 @@ print(json.dumps(report))
 
 def _compile(cfg, act: str, asym: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tile = json.dumps([cfg.block_m, cfg.block_n, cfg.group_m, cfg.stages])
+    tile = json.dumps(cfg.to_list())
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, tile, act, "1" if asym else "0"],
         capture_output=True,

@@ -45,20 +45,25 @@ def test_gluon_is_asked_for_but_runs_only_on_an_sm90_gpu(monkeypatch):
     assert kernel_path(x, _stack(), 2, dict(TENSOR_CORE)) is Kernels.WEIGHT_MAJOR
 
 
-def test_gluon_runs_where_asked_on_a_gpu_that_can_run_it_unless_portable(monkeypatch):
-    """The choice itself, with the backend check answering yes (as on an H100/H200 with Gluon's Hopper API)."""
+def test_gluon_runs_where_it_is_faster_or_asked_on_a_gpu_that_can_run_it_unless_portable(monkeypatch):
+    """The choice itself, with the backend check answering yes (as on an H100/H200 with Gluon's Hopper API):
+    fp16 always, bf16 past 48 rows per expert, never act-order unless asked (gluon_sm90.preferred)."""
     monkeypatch.setattr("repack.runtime.fused_moe.gluon_sm90_runs", lambda device: True)
-    stack, device = _stack(), torch.device("cpu")
+    stack, device, fp16, bf16 = _stack(), torch.device("cpu"), torch.float16, torch.bfloat16
     plain = KernelConfig.from_dict(TENSOR_CORE)
     tiled = KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[16, 64, 1]))
-    assert choose_kernels(stack, plain, device) is Kernels.WEIGHT_MAJOR  # the default: never Gluon
-    assert choose_kernels(stack, tiled, device) is Kernels.GLUON_SM90
+    assert choose_kernels(stack, plain, device, fp16, 16) is Kernels.GLUON_SM90
+    assert choose_kernels(stack, plain, device, bf16, 2 * 48) is Kernels.WEIGHT_MAJOR  # two experts, 48 rows each
+    assert choose_kernels(stack, plain, device, bf16, 2 * 49) is Kernels.GLUON_SM90
+    assert choose_kernels(stack, tiled, device, bf16, 16) is Kernels.GLUON_SM90  # a tile asks for it
     direct = KernelConfig.from_dict(dict(TENSOR_CORE, DIRECT=True, GLUON=[16, 64, 1]))
-    assert choose_kernels(stack, direct, device) is Kernels.WEIGHT_MAJOR  # one block per pair: no Gluon tile
+    assert choose_kernels(stack, direct, device, fp16, 16) is Kernels.WEIGHT_MAJOR  # one block per pair: no Gluon
+    act_order = MoeWeights(**{**vars(stack), "w13_perm": torch.zeros(2, 256, dtype=torch.int32)})
+    assert choose_kernels(act_order, plain, device, fp16, 4096) is Kernels.WEIGHT_MAJOR
     monkeypatch.setenv(GLUON_ENV, "1")
-    assert choose_kernels(stack, plain, device) is Kernels.GLUON_SM90
+    assert choose_kernels(act_order, plain, device, fp16, 16) is Kernels.GLUON_SM90
     monkeypatch.setenv(PORTABLE_ENV, "1")
-    assert choose_kernels(stack, tiled, device) is Kernels.WEIGHT_MAJOR
+    assert choose_kernels(stack, tiled, device, fp16, 16) is Kernels.WEIGHT_MAJOR
 
 
 def test_the_heuristic_and_shipped_tables_never_ask_for_gluon():
@@ -75,6 +80,11 @@ def test_gluon_key_round_trips_and_bad_tiles_are_one_line_errors():
     assert config.gluon == GluonTile(32, 128, 4, 3) and config.kernels is Kernels.WEIGHT_MAJOR
     assert config.to_dict() == entry
     assert KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[16, 64])).gluon == GluonTile(16, 64, 1, 4)
+    two_warpgroups = dict(TENSOR_CORE, GLUON=[128, 128, 8, 4, 8])
+    assert KernelConfig.from_dict(two_warpgroups).gluon.w2_rows == 256
+    assert KernelConfig.from_dict(two_warpgroups).to_dict() == two_warpgroups
+    with pytest.raises(RepackError, match="8 warps need"):
+        KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[64, 64, 8, 4, 8]))
     assert "GLUON" not in KernelConfig.from_dict(TENSOR_CORE).to_dict()
     with pytest.raises(RepackError, match="unsupported tile"):
         KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[24, 64, 1]))
