@@ -38,7 +38,8 @@ def convert(source: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """name -> converted checkpoint folder: the real fixtures, a Mixtral and a Qwen2-MoE whose shared expert joins."""
+    """name -> converted checkpoint folder: the real fixtures, a Mixtral, DeepSeek-V2/V3 and a Qwen2-MoE whose shared
+    expert joins."""
     from repack.formats.gptq import GptqScheme
     from repack.synthetic import write_demo_checkpoint, write_synthetic_checkpoint
 
@@ -59,6 +60,20 @@ def converted(tmp_path_factory):
                 top_k=2,
                 vocab_size=512,
                 mixtral_naming="v5",
+            )
+        elif name in ("deepseek_v2", "deepseek_v3"):  # a dense first layer, MLA attention, a stacked shared expert
+            source = write_synthetic_checkpoint(
+                root / f"{name}-source",
+                family=name,
+                scheme=GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq"),
+                hidden_size=256,
+                intermediate_size=128,
+                num_experts=8,
+                top_k=2,
+                vocab_size=512,
+                dense_first_layers=1,
+                kv_lora_rank=512,  # vLLM's CPU MLA kernel takes only DeepSeek's latent: 512 + 64
+                qk_rope_head_dim=64,
             )
         elif name == "qwen2moe-joined-actorder":  # shared expert = 2 routed-size chunks, stored joinable; act-order
             source = write_demo_checkpoint(root / "demo-source")
