@@ -59,6 +59,8 @@ class SyntheticModel:
     vocab_size: int
     dense_first_layers: int
     mixtral_naming: str
+    kv_lora_rank: int = MLA_KV_LORA_RANK  # DeepSeek's MLA latent; attention backends accept only some
+    qk_rope_head_dim: int = MLA_QK_ROPE_HEAD_DIM  # kv_lora_rank + qk_rope_head_dim (vLLM's MLA: 320, 512, 576)
     num_heads: int = 4
 
     @property
@@ -117,6 +119,8 @@ def write_synthetic_checkpoint(
     shard_size: int | None = None,
     mixtral_naming: str = "v4",
     dense_first_layers: int = 0,
+    kv_lora_rank: int = MLA_KV_LORA_RANK,
+    qk_rope_head_dim: int = MLA_QK_ROPE_HEAD_DIM,
 ) -> Path:
     """Write a GPTQ MoE checkpoint folder of ``family`` to ``path`` and return ``path``.
 
@@ -126,7 +130,8 @@ def write_synthetic_checkpoint(
     ``mixtral_naming`` picks the expert names of Mixtral checkpoints: "v4" (``block_sparse_moe`` with
     ``w1/w3/w2``, as older GPTQ repos) or "v5" (``mlp.experts.{j}.gate_proj/...``, GPTQModel under
     transformers 5). ``dense_first_layers`` makes the first layers plain MLPs (DeepSeek's
-    ``first_k_dense_replace``, Qwen's ``mlp_only_layers``).
+    ``first_k_dense_replace``, Qwen's ``mlp_only_layers``). ``kv_lora_rank`` and ``qk_rope_head_dim`` size
+    DeepSeek's MLA latent (vLLM's MLA attention takes only latents of 320, 512 or 576 = their sum).
     """
     model = _checked_model(
         family=family,
@@ -139,6 +144,8 @@ def write_synthetic_checkpoint(
         vocab_size=vocab_size,
         dense_first_layers=dense_first_layers,
         mixtral_naming=mixtral_naming,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
     )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -298,9 +305,9 @@ def _family_config(model: SyntheticModel) -> dict:
         "n_shared_experts": model.shared_intermediate_size // model.intermediate_size,
         "first_k_dense_replace": model.dense_first_layers,
         "moe_layer_freq": 1,
-        "kv_lora_rank": MLA_KV_LORA_RANK,
+        "kv_lora_rank": model.kv_lora_rank,
         "qk_nope_head_dim": MLA_QK_NOPE_HEAD_DIM,
-        "qk_rope_head_dim": MLA_QK_ROPE_HEAD_DIM,
+        "qk_rope_head_dim": model.qk_rope_head_dim,
         "v_head_dim": MLA_V_HEAD_DIM,
         "attention_bias": False,
     }
@@ -308,8 +315,8 @@ def _family_config(model: SyntheticModel) -> dict:
         return deepseek | {
             "q_lora_rank": None,
             "topk_method": "greedy",
-            "n_group": None,
-            "topk_group": None,
+            "n_group": 1,  # as DeepSeek-V2-Lite's config; vLLM needs both (its DeepSeek MoE always groups)
+            "topk_group": 1,
             "norm_topk_prob": False,
             "routed_scaling_factor": 1.0,
             "mlp_bias": False,
@@ -422,7 +429,7 @@ def _attention_tensors(model: SyntheticModel, maker: _TensorMaker, prefix: str) 
 def _mla_tensors(model: SyntheticModel, maker: _TensorMaker, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """DeepSeek multi-head latent attention: V2 (Lite) projects q directly, V3 through a q LoRA."""
     hidden, heads = model.hidden_size, model.num_heads
-    qk_head_dim = MLA_QK_NOPE_HEAD_DIM + MLA_QK_ROPE_HEAD_DIM
+    qk_head_dim = MLA_QK_NOPE_HEAD_DIM + model.qk_rope_head_dim
     order = maker.input_order(hidden)
     if model.family == "deepseek_v2":
         yield from maker.linear(f"{prefix}.q_proj", hidden, heads * qk_head_dim, order=order)
@@ -430,11 +437,11 @@ def _mla_tensors(model: SyntheticModel, maker: _TensorMaker, prefix: str) -> Ite
         yield from maker.linear(f"{prefix}.q_a_proj", hidden, MLA_Q_LORA_RANK, order=order)
         yield f"{prefix}.q_a_layernorm.weight", maker.ones(MLA_Q_LORA_RANK)
         yield from maker.linear(f"{prefix}.q_b_proj", MLA_Q_LORA_RANK, heads * qk_head_dim)
-    kv_a_out = MLA_KV_LORA_RANK + MLA_QK_ROPE_HEAD_DIM
+    kv_a_out = model.kv_lora_rank + model.qk_rope_head_dim
     yield from maker.linear(f"{prefix}.kv_a_proj_with_mqa", hidden, kv_a_out, order=order)
-    yield f"{prefix}.kv_a_layernorm.weight", maker.ones(MLA_KV_LORA_RANK)
+    yield f"{prefix}.kv_a_layernorm.weight", maker.ones(model.kv_lora_rank)
     kv_b_out = heads * (MLA_QK_NOPE_HEAD_DIM + MLA_V_HEAD_DIM)
-    yield from maker.linear(f"{prefix}.kv_b_proj", MLA_KV_LORA_RANK, kv_b_out)
+    yield from maker.linear(f"{prefix}.kv_b_proj", model.kv_lora_rank, kv_b_out)
     yield from maker.linear(f"{prefix}.o_proj", heads * MLA_V_HEAD_DIM, hidden)
 
 

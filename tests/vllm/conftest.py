@@ -38,27 +38,35 @@ def convert(source: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """name -> converted checkpoint folder: the real fixtures, a Mixtral and a Qwen2-MoE whose shared expert joins."""
+    """name -> converted checkpoint folder: the real fixtures, a Mixtral, DeepSeek-V2/V3 and a Qwen2-MoE whose shared
+    expert joins."""
     from repack.formats.gptq import GptqScheme
     from repack.synthetic import write_demo_checkpoint, write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("vllm-checkpoints")
     cache: dict[str, Path] = {}
+    small = dict(  # 4-bit g128, 8 experts of 128 in a 256-wide model
+        scheme=GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq"),
+        hidden_size=256,
+        intermediate_size=128,
+        num_experts=8,
+        top_k=2,
+        vocab_size=512,
+    )
 
     def get(name: str) -> Path:
         if name in cache:
             return cache[name]
         if name == "mixtral":  # transformers 5 names (mlp.experts.*.gate_proj), 4-bit g128
+            source = write_synthetic_checkpoint(root / "mixtral-source", family="mixtral", mixtral_naming="v5", **small)
+        elif name in ("deepseek_v2", "deepseek_v3"):  # a dense first layer, MLA attention, a stacked shared expert
             source = write_synthetic_checkpoint(
-                root / "mixtral-source",
-                family="mixtral",
-                scheme=GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq"),
-                hidden_size=256,
-                intermediate_size=128,
-                num_experts=8,
-                top_k=2,
-                vocab_size=512,
-                mixtral_naming="v5",
+                root / f"{name}-source",
+                family=name,
+                dense_first_layers=1,
+                kv_lora_rank=512,  # vLLM's CPU MLA kernel takes only DeepSeek's latent: 512 + 64
+                qk_rope_head_dim=64,
+                **small,
             )
         elif name == "qwen2moe-joined-actorder":  # shared expert = 2 routed-size chunks, stored joinable; act-order
             source = write_demo_checkpoint(root / "demo-source")

@@ -13,6 +13,8 @@ checkpoint is loaded. Importing this package does not import vLLM: only :func:`r
 
 from __future__ import annotations
 
+import logging
+
 from repack.formats.errors import RepackError
 
 TESTED_VLLM = ((0, 32), (0, 33))  # [first, end): the vLLM minor versions this plugin was tested with
@@ -33,15 +35,22 @@ def version_tuple(version: str) -> tuple[int, int]:
         return (0, 0)
 
 
+def unsupported_vllm(version: str, detail: str = "") -> RepackError:
+    """The one line for a vLLM this plugin does not run on (``detail``: what of its API was missing)."""
+    first, end = TESTED_VLLM
+    missing = f" ({detail})" if detail else ""
+    return RepackError(
+        f"vLLM {version} is not supported by moe-repack's vLLM plugin{missing} (tested: "
+        f">={first[0]}.{first[1]},<{end[0]}.{end[1]}); install a tested vLLM (pip install 'moe-repack[vllm]')"
+    )
+
+
 def check_vllm_version(version: str | None = None) -> None:
     """One RepackError line when the installed vLLM is outside the tested range."""
     version = installed_vllm_version() if version is None else version
     first, end = TESTED_VLLM
     if not first <= version_tuple(version) < end:
-        raise RepackError(
-            f"vLLM {version} is not supported by moe-repack's vLLM plugin (tested: "
-            f">={first[0]}.{first[1]},<{end[0]}.{end[1]}); install a tested vLLM (pip install 'moe-repack[vllm]')"
-        )
+        raise unsupported_vllm(version)
 
 
 def register() -> None:
@@ -54,9 +63,13 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from repack.formats.constants import QUANT_METHOD
-    from repack.runtime.integrations.vllm.config import RepackVllmConfig
 
+    try:
+        from repack.runtime.integrations.vllm.config import RepackVllmConfig
+    except ImportError as error:  # vLLM moved a class the plugin builds on; raising here would break every model
+        logging.getLogger(__name__).warning("%s", unsupported_vllm(installed_vllm_version(), str(error)))
+        return
     register_quantization_config(QUANT_METHOD)(RepackVllmConfig)  # registering the same class again is a no-op
 
 
-__all__ = ["TESTED_VLLM", "check_vllm_version", "register"]
+__all__ = ["TESTED_VLLM", "check_vllm_version", "register", "unsupported_vllm"]

@@ -23,6 +23,7 @@ from repack.formats.errors import RepackError
 from repack.formats.quant_config import QuantConfig, parse_quant_config
 from repack.formats.stacks import StackInfo
 from repack.runtime.integrations.vllm import check_vllm_version
+from repack.runtime.integrations.vllm.internals import vllm_attribute
 from repack.runtime.integrations.vllm.linear import GptqLinearMethod
 from repack.runtime.integrations.vllm.moe import RepackMoEMethod, stack_weight_mapper
 from repack.runtime.routers import router_spec
@@ -144,7 +145,14 @@ class RepackVllmConfig(QuantizationConfig):
         from vllm.config import get_current_vllm_config
 
         text_config = get_current_vllm_config().model_config.hf_text_config.to_dict()
-        return RepackMoEMethod(layer.moe_config, stacks[ROUTED], stacks.get(SHARED), router_spec(text_config))
+        grouping = (text_config.get("n_group"), text_config.get("topk_group"))
+        if str(text_config.get("model_type")).startswith("deepseek") and None in grouping:
+            raise RepackError(
+                f"config.json: n_group={grouping[0]}, topk_group={grouping[1]}, but vLLM's DeepSeek MoE always groups "
+                "its top-k; set both (1 and 1 route as ungrouped, as DeepSeek-V2-Lite's config does)"
+            )
+        moe_config = vllm_attribute(layer, "moe_config")
+        return RepackMoEMethod(moe_config, stacks[ROUTED], stacks.get(SHARED), router_spec(text_config))
 
     def _linear_method(self, layer: LinearBase, prefix: str) -> LinearMethodBase:
         block, _, rest = prefix.rpartition(".")

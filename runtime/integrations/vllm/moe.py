@@ -27,6 +27,7 @@ from vllm.model_executor.models.utils import WeightsMapper
 
 from repack.formats.errors import RepackError
 from repack.formats.stacks import StackInfo, joinable
+from repack.runtime.integrations.vllm.internals import hand_shared_output, shared_expert_module, vllm_attribute
 from repack.runtime.moe_block import SEPARATE, MoeBlock
 from repack.runtime.routers import RouterSpec
 from repack.runtime.weights import TENSOR_FIELDS, MoeWeights
@@ -155,13 +156,13 @@ class RepackMoEMethod(FusedMoEMethodBase):
         output) the shared expert must stay a separate term, so the block never joins there."""
         routed = self._weights(layer, self.routed_info, shared=False)
         shared = self._weights(layer, self.shared_info, shared=True) if self.shared_info is not None else None
-        runner_scales = self.spec.scaling_factor != 1.0 and getattr(layer, "routed_scaling_factor", 1.0) == 1.0
+        runner_scales = self.spec.scaling_factor != 1.0 and vllm_attribute(layer, "routed_scaling_factor") == 1.0
         self.block = MoeBlock(
             routed,
             None,
             self.spec,
             shared=shared,
-            correction_bias=getattr(layer, "e_score_correction_bias", None),
+            correction_bias=vllm_attribute(layer, "e_score_correction_bias"),
             name=self.routed_info.prefix,
             shared_mode=SEPARATE if runner_scales else None,
         )
@@ -209,15 +210,9 @@ class RepackMoEMethod(FusedMoEMethodBase):
 def shared_gate(shared_experts) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """Qwen2-MoE scales its shared expert by ``sigmoid(shared_expert_gate(x))``; vLLM keeps that gate (loaded from
     the checkpoint as usual) on its shared-expert module, which the runner hands us. DeepSeek has none."""
-    gate = getattr(shared_experts._layer, "expert_gate", None) if shared_experts is not None else None
+    if shared_experts is None:
+        return None
+    gate = getattr(shared_expert_module(shared_experts), "expert_gate", None)  # a model's module: None is DeepSeek
     if gate is None:
         return None
     return lambda x: gate(x)[0]
-
-
-def hand_shared_output(shared_experts, value: torch.Tensor) -> None:
-    """Give vLLM's runner the shared-expert term it adds to our output (0.32's ``SharedExperts`` output slot).
-
-    Separate: the shared call's output. Joined: our output already holds the shared expert, so a zero.
-    """
-    shared_experts._output[shared_experts._output_idx] = value
