@@ -95,7 +95,8 @@ def dequantize_experts(weights, experts: list[int], dtype) -> tuple[torch.Tensor
     """Our layout -> (w13 [n, 2I, H], w2 [n, H, I]) in ``dtype`` for the listed experts (sym, no act-order)."""
 
     def one(qweight, scales):
-        qweight = from_word_order(qweight, weights.word_order)  # plain GPTQ order: field s of word r is 8r + s
+        # plain GPTQ order (field s of word r is 8r + s); formats/word_order.py permutes on the CPU
+        qweight = from_word_order(qweight.cpu(), weights.word_order).to(qweight.device)
         shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
         q = (qweight[..., None] >> shifts) & 0xF  # [n, N, K/8, 8]
         q = q.reshape(*qweight.shape[:-1], -1).to(torch.float32) - 8

@@ -285,9 +285,9 @@ def test_a_joined_stack_uses_the_routed_table_with_decode_decided_on_its_pairs(t
     try:
         routed, joined = stack(6), stack(8, routed=6)
         assert config(routed, 8, 2) == typed[8]  # routed: the table as tuned
-        assert config(joined, 4, 4) == typed[4]  # 16 pairs: decode
-        assert config(joined, 8, 4) == typed[4]  # 32 pairs: still decode, the nearest decode entry
-        assert config(joined, 12, 4) == typed[8]  # 48 pairs: tensor cores, the nearest such entry
+        assert config(joined, 2, 4) == typed[1]  # 8 pairs on 8 experts: decode, the nearest decode entry
+        assert config(joined, 4, 4) == typed[8]  # 16 pairs: more than experts, so tensor cores (nearest such entry)
+        assert config(joined, 12, 4) == typed[8]  # 48 pairs: tensor cores
         assert config(stack(8), 4, 4) == kernel_config.INTERPRETER_CONFIG  # no table for E=8 itself
     finally:
         kernel_config.load_configs.cache_clear()
