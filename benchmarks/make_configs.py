@@ -30,8 +30,11 @@ def recorded_sweeps() -> tuple[str, list[Path]]:
 
 def code_path(config: dict) -> str:
     """Which kernels a config runs: the CUDA-core decode kernels, the weight-major ones (one block per pair, or
-    aligned), or the gptq-order tensor-core ones (runtime/kernel_config.py's ``Kernels``)."""
+    aligned), the gptq-order tensor-core ones (runtime/kernel_config.py's ``Kernels``), or, with a Gluon tile, the
+    Gluon sm_90 ones."""
     parsed = KernelConfig.from_dict(config)
+    if parsed.gluon is not None:
+        return "gluon"
     if parsed.kernels is Kernels.WEIGHT_MAJOR:
         return "weight-major direct" if parsed.direct else "weight-major"
     return "decode" if parsed.kernels is Kernels.DECODE else "tensor-core"

@@ -67,7 +67,7 @@ def main() -> None:
             w = torch.rand(m, case.top_k, device="cuda")
             out = torch.empty_like(x)
             timings = []
-            candidates = candidate_configs(m, case.top_k, case.experts, stacks[0].word_order)
+            candidates = candidate_configs(m, case.top_k, stacks[0])
             if args.only_weight_major or args.only_shipped:
                 shipped = load_configs(case.experts, case.inter, device_name("cuda")) or {}
                 nearest = [shipped[min(shipped, key=lambda k: abs(k - m))]] if shipped else []

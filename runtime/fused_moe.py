@@ -11,8 +11,9 @@ export one ``run``:
 - ``gptq_order`` (runtime/kernels/gptq_order.py): the older tensor-core kernels, for the gptq-order stacks the
   weight-major kernels cannot run (groups under 128, K not a multiple of 128, 8-bit).
 - ``gluon_sm90`` (runtime/kernels/gluon_sm90.py): the weight-major GEMMs in Gluon for Hopper, a wgmma kept in
-  flight while the next chunk dequantizes; opt-in (a config's ``GLUON`` tile or $REPACK_GLUON_KERNELS=1) because
-  on the H200 they measured no faster than the weight-major kernels (benchmarks/KERNEL_NOTES.md item 15).
+  flight while the next chunk dequantizes; on sm_90 by default where they measured faster
+  (:func:`gluon_sm90.preferred`) or where asked for (a config's ``GLUON`` tile, $REPACK_GLUON_KERNELS=1), unless
+  the config is ``PORTABLE`` or $REPACK_PORTABLE_KERNELS=1.
 
 The config (runtime/kernel_config.py) names the family; :func:`choose_kernels` turns that into the family that
 can run the stack (:func:`kernel_path`: which one a call takes). The tensor-core families write one row per
@@ -56,15 +57,16 @@ def choose_kernels(
 ) -> Kernels:
     """The family that runs on ``device``: the config's, except that the Gluon sm_90 kernels run on an aligned
     tensor-core config where they can (an mma128 stack, a Hopper GPU: kernels/backend.py) and either are faster
-    there (:func:`gluon_sm90.preferred`) or are asked for (a ``gluon`` tile, or $GLUON_ENV), unless
-    $PORTABLE_ENV; mma128 words are otherwise read only by the decode and weight-major kernels, and a stack the
-    weight-major kernels cannot run takes the gptq-order kernels."""
+    there (:func:`gluon_sm90.preferred`, unless the config is ``portable``: a tl config that won a tuning here) or
+    are asked for (a ``gluon`` tile, or $GLUON_ENV, which overrides ``portable``), unless $PORTABLE_ENV; mma128
+    words are otherwise read only by the decode and weight-major kernels, and a stack the weight-major kernels
+    cannot run takes the gptq-order kernels."""
     if config.kernels is Kernels.DECODE:
         return Kernels.DECODE
     gluon_allowed = not config.direct and os.environ.get(PORTABLE_ENV, "") != "1"
     if gluon_allowed and gluon_sm90.supports(weights) and gluon_sm90_runs(device):
         asked = config.gluon is not None or os.environ.get(GLUON_ENV, "") == "1"
-        if asked or gluon_sm90.preferred(weights, dtype, num_pairs):
+        if asked or (not config.portable and gluon_sm90.preferred(weights, dtype, num_pairs)):
             return Kernels.GLUON_SM90
     if weights.mma_order or (config.kernels is Kernels.WEIGHT_MAJOR and supports_weight_major(weights)):
         return Kernels.WEIGHT_MAJOR
@@ -135,8 +137,8 @@ def fused_moe(
     ``topk_ids`` [M, T] (int32 or int64, values in [0, E)), ``topk_weights`` [M, T] (any float dtype).
     ``config`` overrides the tuned/heuristic kernel config: a :class:`KernelConfig`, or a dict in the tables'
     spelling (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, and optionally DIRECT, WEIGHT_MAJOR,
-    SCALE_ACC, SPLIT_K, QUANT_AHEAD, GLUON, REDUCE, PREFETCH, NIBBLE_DOTS: runtime/kernel_config.py). ``out`` receives
-    the result.
+    SCALE_ACC, SPLIT_K, QUANT_AHEAD, PORTABLE, GLUON, REDUCE, PREFETCH, NIBBLE_DOTS: runtime/kernel_config.py).
+    ``out`` receives the result.
     """
     _check_inputs(hidden_states, weights, topk_ids, topk_weights)
     m, h = hidden_states.shape

@@ -3,17 +3,19 @@ a heuristic otherwise, and a run-time guard that shrinks a config a device canno
 
 A config names the kernel family that runs (``kernels``: the CUDA-core ``decode`` kernels, the ``weight_major``
 tensor-core kernels, or the older ``gptq_order`` tensor-core kernels for stacks the weight-major ones cannot
-read), its tile and launch sizes, and the few switches that family takes. A tensor-core config may also ask for
-the Gluon sm_90 kernels with a tile of theirs (``gluon``), keeping its tl family for where they cannot run.
-fused_moe parses a config once, at its entry, and the families read its fields.
+read), its tile and launch sizes, and the few switches that family takes. On a Hopper GPU an aligned
+tensor-core config runs the Gluon sm_90 kernels where they measured faster (fused_moe.choose_kernels), with a
+tile of theirs it names (``gluon``) or their heuristic's; ``portable`` keeps it on its tl family there instead
+(what ``repack tune`` writes when a tl config won, so that an entry runs what was timed). The tl family also
+runs wherever Gluon cannot. fused_moe parses a config once, at its entry, and the families read its fields.
 
 JSON tables (vLLM style) live in ``runtime/configs/`` (or ``$REPACK_MOE_CONFIG_DIR``), named
 ``E={experts},N={intermediate},device_name={device name, spaces as _}.json``, and map a token count M to an
 entry in the Triton spelling: ``BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages`` always, then
 ``DIRECT`` / ``WEIGHT_MAJOR`` (which family: :meth:`KernelConfig.from_dict`), ``SCALE_ACC``, ``SPLIT_K``,
-``QUANT_AHEAD``, ``GLUON`` (a :class:`GluonTile` as a list), and the tuning-only ``REDUCE``, ``PREFETCH``,
-``NIBBLE_DOTS``. The entry with the nearest M is used. ``repack tune`` (runtime/tune.py) and
-benchmarks/make_configs.py write them.
+``QUANT_AHEAD``, ``PORTABLE`` (true: the tl kernels, never Gluon), ``GLUON`` (a :class:`GluonTile` as a list),
+and the tuning-only ``REDUCE``, ``PREFETCH``, ``NIBBLE_DOTS``. The entry with the nearest M is used.
+``repack tune`` (runtime/tune.py) and benchmarks/make_configs.py write them.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ class Kernels(str, Enum):
     DECODE = "decode"  # CUDA cores, one program per (token, expert) pair: runtime/kernels/decode.py
     WEIGHT_MAJOR = "weight_major"  # tensor cores, weights as the MMA's register operand: kernels/weight_major.py
     GPTQ_ORDER = "gptq_order"  # tensor cores, tokens as the A operand, gptq-order words only: kernels/gptq_order.py
-    # Hopper tensor cores with wgmma kept in flight (kernels/gluon_sm90.py). Never a config's ``kernels``: a config
-    # asks for it with a ``gluon`` tile (or $REPACK_GLUON_KERNELS=1) and fused_moe.choose_kernels grants it where
-    # it can run; the config's tl family runs elsewhere.
+    # Hopper tensor cores with wgmma kept in flight (kernels/gluon_sm90.py). Never a config's ``kernels``:
+    # fused_moe.choose_kernels grants it to an aligned config on sm_90 where it is faster or asked for (a ``gluon``
+    # tile, or $REPACK_GLUON_KERNELS=1) and the config is not ``portable``; the config's tl family runs elsewhere.
     GLUON_SM90 = "gluon_sm90"
 
 
@@ -129,7 +131,9 @@ class KernelConfig:
     reduce: str = "pairs"  # tensor cores: the top-k sum as a torch sum of per-pair rows, or "atomic" fp32 adds
     prefetch: int = 1  # DECODE: K blocks of weights loaded ahead (1 or 2)
     nibble_dots: bool = False  # GPTQ_ORDER: one dot per nibble position instead of an unpacking reshape
-    # opt-in: the Gluon sm_90 kernels with this tile where they can run (benchmarks/KERNEL_NOTES.md item 15)
+    # the Gluon sm_90 kernels (runtime/kernels/gluon_sm90.py): with this tile where they can run; or, ``portable``,
+    # never, not even where they would run by default (a tl config that won a tuning on sm_90)
+    portable: bool = False
     gluon: GluonTile | None = None
 
     def __post_init__(self) -> None:
@@ -141,6 +145,8 @@ class KernelConfig:
             raise RepackError(f"kernel config: REDUCE must be 'pairs' or 'atomic', not {self.reduce!r}")
         if self.prefetch not in (1, 2):
             raise RepackError(f"kernel config: PREFETCH must be 1 or 2, not {self.prefetch!r}")
+        if self.portable and self.gluon is not None:
+            raise RepackError("kernel config: PORTABLE (the tl kernels) contradicts a GLUON tile; drop one of them")
 
     @classmethod
     def from_dict(cls, entry: Mapping) -> KernelConfig:
@@ -224,10 +230,11 @@ JSON_KEYS = {  # table key -> KernelConfig field ("WEIGHT_MAJOR" and "DIRECT" to
     "REDUCE": "reduce",
     "PREFETCH": "prefetch",
     "NIBBLE_DOTS": "nibble_dots",
+    "PORTABLE": "portable",
     "GLUON": "gluon",
 }
 _SIZES = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-_SWITCHES = ("scale_acc", "split_k", "quant_ahead", "reduce", "prefetch", "nibble_dots")
+_SWITCHES = ("scale_acc", "split_k", "quant_ahead", "reduce", "prefetch", "nibble_dots", "portable")
 _DEFAULTS = KernelConfig(Kernels.GPTQ_ORDER, 16, 16, 16, 1, 1, 1)
 
 

@@ -4,11 +4,16 @@
 candidate with CUDA-graph replay on random int4 weights (several copies, so L2 never holds them), keeps the
 fastest config whose output agrees with the heuristic config's, and writes
 ``E={E},N={I},device_name={GPU}.json`` (runtime/kernel_config.py reads it).
+
+Where the Gluon sm_90 kernels run (a Hopper GPU, an mma128 stack), their tiles are candidates too, and the tl
+tensor-core candidates are marked ``portable``: an aligned config without a Gluon tile would otherwise run the
+Gluon heuristic's tile there (fused_moe.choose_kernels), so a tl winner's entry would not run what was timed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import replace
@@ -17,9 +22,18 @@ from pathlib import Path
 import torch
 
 from repack.formats.errors import RepackError
-from repack.formats.stacks import MMA128_ORDER, choose_word_order
-from repack.runtime.fused_moe import fused_moe
-from repack.runtime.kernel_config import KernelConfig, Kernels, config_file_name, device_name, heuristic_config
+from repack.formats.stacks import choose_word_order
+from repack.runtime.fused_moe import GLUON_ENV, PORTABLE_ENV, fused_moe
+from repack.runtime.kernel_config import (
+    GluonTile,
+    KernelConfig,
+    Kernels,
+    config_file_name,
+    device_name,
+    heuristic_config,
+)
+from repack.runtime.kernels import gluon_sm90
+from repack.runtime.kernels.backend import gluon_sm90_runs
 from repack.runtime.weights import MoeWeights
 
 TUNE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -71,21 +85,49 @@ WEIGHT_MAJOR_DIRECT_CONFIGS = [  # decode: one block per (token, expert) pair, n
     for bn in (32, 64)
     for st in (3, 5)
 ]
+# The Gluon sm_90 tiles searched: every one the Gluon heuristic picks and a few neighbours (each costs a compile of
+# about 2 s per kernel, dtype and reduction, so the list stays short).
+GLUON_TILES = tuple(
+    dict.fromkeys(
+        [
+            *gluon_sm90.SHIPPED_TILES,
+            GluonTile(16, 128, 1),
+            GluonTile(32, 64, 4, stages=5),
+            GluonTile(64, 64, 8, stages=5),
+            GluonTile(64, 128, 8, warps=8),
+            GluonTile(128, 128, 8, warps=8, w2_block_n=128),
+        ]
+    )
+)
+GLUON_CONFIGS = [  # each with the weight-major tile of its shape as the tl family, which runs where Gluon cannot
+    KernelConfig(Kernels.WEIGHT_MAJOR, t.block_m, t.block_n, 128, t.group_m, t.warps, 3, scale_acc=False, gluon=t)
+    for t in GLUON_TILES
+]
+
+
+def searches_gluon(weights: MoeWeights, device: torch.device | str) -> bool:
+    """Whether the Gluon tiles are candidates: the Gluon sm_90 kernels run on ``device`` and read the stack, and
+    it is not act-order (its column gather makes them slower there: :func:`gluon_sm90.preferred`)."""
+    return gluon_sm90.supports(weights) and weights.w13_perm is None and gluon_sm90_runs(device)
 
 
 def candidate_configs(
-    num_tokens: int, top_k: int, num_experts: int, word_order: str = MMA128_ORDER
+    num_tokens: int, top_k: int, weights: MoeWeights, device: torch.device | str = "cuda"
 ) -> list[KernelConfig]:
-    """The search space that found the shipped H200 tables (benchmarks/RESULTS.md).
+    """The search space for ``weights`` on ``device``; without the Gluon tiles, the one that found the shipped
+    H200 tables (benchmarks/RESULTS.md).
 
     Decode (CUDA-core or weight-major, one block per pair) while pairs are few; tensor-core tiles whose
-    BLOCK_M is not far above the rows an expert gets (mma128 stacks run only the weight-major kernels);
-    both top-k reductions where the sum is cheap enough to matter.
+    BLOCK_M is not far above the rows an expert gets (mma128 stacks run only the weight-major kernels), and the
+    Gluon tiles where :func:`searches_gluon` (the tl tiles then ``portable``); both top-k reductions where the sum
+    is cheap enough to matter.
     """
     pairs = num_tokens * top_k
-    rows_per_expert = pairs / max(1, num_experts)
+    rows_per_expert = pairs / max(1, weights.num_experts)
     configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 128 else []
-    tiles = WEIGHT_MAJOR_CONFIGS if word_order == MMA128_ORDER else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
+    tiles = WEIGHT_MAJOR_CONFIGS if weights.mma_order else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
+    if searches_gluon(weights, device):
+        tiles = [replace(c, portable=True) for c in tiles] + GLUON_CONFIGS
     configs += [c for c in tiles if c.block_m <= max(16, 4 * rows_per_expert)]
     reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
     # The CUDA-core decode kernels always sum the top-k in w2: REDUCE does not apply to them.
@@ -140,7 +182,8 @@ def time_graph(fn, replays: int) -> float:
 def tune_shape(
     e: int, h: int, i: int, top_k: int, dtype: torch.dtype, token_counts: Iterable[int]
 ) -> dict[int, KernelConfig]:
-    """Best config per M for one shape on the current GPU."""
+    """Best config per M for one shape on the current GPU, each checked against the tl kernels running the
+    heuristic config (the CPU-tested reference)."""
     copies = max(2, -(-240 * 2**20 // int(top_k * 1.5 * h * i)))
     weights = random_stack(e, h, i, min(copies, 16))
     best: dict[int, KernelConfig] = {}
@@ -148,9 +191,10 @@ def tune_shape(
         x = torch.randn(m, h, device="cuda").to(dtype)
         ids = torch.stack([torch.randperm(e, device="cuda")[:top_k] for _ in range(m)]).to(torch.int32)
         w = torch.rand(m, top_k, device="cuda")
-        expected = fused_moe(x, weights[0], ids, w, config=heuristic_config(m, top_k, e))
+        reference = replace(heuristic_config(m, top_k, e), portable=True)
+        expected = fused_moe(x, weights[0], ids, w, config=reference)
         timings = []
-        for cfg in candidate_configs(m, top_k, e, weights[0].word_order):
+        for cfg in candidate_configs(m, top_k, weights[0]):
             out = fused_moe(x, weights[0], ids, w, config=cfg)
             if not torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2):
                 continue
@@ -166,6 +210,11 @@ def tune_shape(
 
 def tune(shapes: Iterable[tuple[int, int, int, int]], dtype: torch.dtype, out_dir: str | Path) -> list[Path]:
     """Tune every ``(E, H, I, top_k)`` shape and write one JSON file per shape into ``out_dir``."""
+    forced = [name for name in (GLUON_ENV, PORTABLE_ENV) if os.environ.get(name, "") == "1"]
+    if forced:
+        raise RepackError(
+            f"repack tune: ${forced[0]} is set, so candidates would not run the kernels their entries name; unset it"
+        )
     if not torch.cuda.is_available():
         raise RepackError("repack tune: no CUDA GPU visible; run it on the GPU the configs are for")
     out = Path(out_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from repack.formats.gptq import GptqLinear, GptqScheme
-from repack.formats.stacks import GPTQ_ORDER, ROUTED, StackInfo, pack_stack, plan_flags
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, ROUTED, StackInfo, pack_stack, plan_flags
 from repack.runtime.weights import MoeWeights
 from repack.synthetic_linear import quantize_linear
 
@@ -102,3 +102,20 @@ def seeded_stack(scheme, act_order, *, experts=3, hidden=256, inter=128, chunks=
         sources, scheme, experts=experts, hidden=hidden, inter=inter, prefix="layers.0.mlp.experts"
     )
     return info, expert_names(len(sources)), sources
+
+
+def zero_stack(
+    experts: int = 2, hidden: int = 256, inter: int = 128, *, word_order: str = MMA128_ORDER, act_order: bool = False
+) -> MoeWeights:
+    """A 4-bit group-128 stack of zero words and unit scales: enough for the dispatch and tuning choices, which
+    read only its shape, word order and act-order permutation."""
+    return MoeWeights(
+        w13_qweight=torch.zeros(experts, 2 * inter, hidden // 8, dtype=torch.int32),
+        w13_scales=torch.ones(experts, hidden // 128, 2 * inter, dtype=torch.float16),
+        w2_qweight=torch.zeros(experts, hidden, inter // 8, dtype=torch.int32),
+        w2_scales=torch.ones(experts, inter // 128, hidden, dtype=torch.float16),
+        bits=4,
+        group_size=128,
+        word_order=word_order,
+        w13_perm=torch.zeros(experts, hidden, dtype=torch.int32) if act_order else None,
+    )
