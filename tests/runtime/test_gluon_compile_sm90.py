@@ -1,11 +1,11 @@
-"""Compile every shipped Gluon sm_90 tile on the CPU and read what ptxas made of it.
+"""Compile every Gluon sm_90 tile the runtime may run on the CPU and read what ptxas made of it.
 
-Gluon does not run in Triton's interpreter, so this is the CI guard for runtime/kernels/gluon_sm90.py: each
-shipped config (both kernels, fp16 and bf16, the plain and the asym act-order variant) must compile for
-``GPUTarget("cuda", 90, 32)`` with no local-memory spills and within Hopper's shared memory, and its K loop must
-keep a wgmma in flight while it dequantizes: a ``wgmma.wait_group`` with N >= 1 inside the loop (the reason
-these kernels exist: Triton's tl.dot waits with N = 0 after every register-operand MMA). Runs in a subprocess
-because the test session sets TRITON_INTERPRET.
+Gluon does not run in Triton's interpreter, so this is the CI guard for runtime/kernels/gluon_sm90.py: each tile
+the heuristic picks or `repack tune` may write (both kernels, fp16 and bf16, the plain and the asym act-order
+variant) must compile for ``GPUTarget("cuda", 90, 32)`` with no local-memory spills and within Hopper's shared
+memory, and its K loop must keep a wgmma in flight while it dequantizes: a ``wgmma.wait_group`` with N >= 1 inside
+the loop (the reason these kernels exist: Triton's tl.dot waits with N = 0 after every register-operand MMA). Runs
+in a subprocess because the test session sets TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -108,10 +108,11 @@ def test_loop_waits_finds_the_waits_inside_a_loop_only():
 
 
 @pytest.mark.parametrize(("act", "asym"), VARIANTS, ids=[v[0] + ("-asym-actorder" if v[1] else "") for v in VARIANTS])
-def test_shipped_gluon_configs_compile_for_sm90(act, asym, tmp_path):
-    from repack.runtime.kernels import gluon_sm90
+def test_shipped_and_tuned_gluon_configs_compile_for_sm90(act, asym, tmp_path):
+    """Every tile the heuristic picks and every tile `repack tune` may write into a table (tune.GLUON_TILES)."""
+    from repack.runtime.tune import GLUON_TILES
 
-    for cfg in gluon_sm90.SHIPPED_TILES:
+    for cfg in GLUON_TILES:
         report = _compile(cfg, act, asym)
         for name, kernel in report.items():
             where = f"{cfg} {name} {act}"
