@@ -7,21 +7,24 @@ dialect, because Triton 3.6 waits for every register-operand ``tl.dot`` to finis
 Here each K step of 128 issues eight 16-deep wgmmas asynchronously and waits with one left in flight, so chunk
 ``c + 1`` is dequantized while the MMA of chunk ``c`` runs.
 
-Data flow of one program (one expert's token block x one tile of weight rows):
+Data flow of one program (one expert's token block x one tile of weight rows; one warpgroup of 64 rows per
+instruction, or two sharing the block's activations over 256 rows for large batches):
 
-- int32 words go from global memory straight into registers, one step ahead of their use, in the layout a
-  thread needs for its share of the wgmma A fragment: rows ``r`` and ``r + 8`` of its warp's 16, words ``t``
-  and ``t + 4`` of each half step (``t`` = lane % 4). In the ``mma128`` word order (formats/SPEC.md section 3)
-  fields ``i`` and ``4 + i`` of word ``8g + m`` are inputs ``2m, 2m + 1`` of chunk ``4g + i``, so one LOP3
-  ``(w >> 4i) & 0x000F000F | 0x64006400`` is the fp16x2 register that thread holds, and the conversion to the
-  A operand layout moves nothing (``convert_layout(..., assert_trivial=True)``).
+- A shared-memory ring of K steps, filled by cp.async STAGES - 2 steps ahead with one barrier per step: each
+  weight row's 16 int32 words (16-byte copies, swizzled in 16-byte units), and the block's activations as
+  [tokens, 64] half steps under the 128-byte swizzle (eight threads move a token's 128 contiguous bytes: one
+  conflict-free wavefront; act-order gathers its permuted columns through registers). A 16-column slice of a
+  half step is a chunk's wgmma B operand. Why this layout: benchmarks/KERNEL_NOTES.md item 16.
+- The words are read from the ring in the layout a thread needs for its share of the wgmma A fragment: rows
+  ``r`` and ``r + 8`` of its warp's 16, words ``t`` and ``t + 4`` of each half step (``t`` = lane % 4). In the
+  ``mma128`` word order (formats/SPEC.md section 3) fields ``i`` and ``4 + i`` of word ``8g + m`` are inputs
+  ``2m, 2m + 1`` of chunk ``4g + i``, so one LOP3 ``(w >> 4i) & 0x000F000F | 0x64006400`` is the fp16x2
+  register that thread holds, and the conversion to the A operand layout moves nothing
+  (``convert_layout(..., assert_trivial=True)``).
 - One inline-PTX sequence per word and chunk dequantizes two weights: LOP3, a packed add of ``-(bias + zero)``
   (exact), a packed multiply by the scale (one rounding, as GPTQModel's ``fp16(scale * (q - zero))``). fp16
   odd chunks keep their nibble four bits up and fold the shift into an FMA by 1/16 (exact), as the tl kernels do.
   bf16 multiplies in fp32 by the exact scale and rounds once (four more instructions per two weights).
-- The block's activations (gathered token rows, and columns through the act-order permutation) are loaded one
-  step ahead into registers and stored to a two-stage shared ring laid out as eight [tokens, 16] chunk tiles,
-  the B operand of the chunk's wgmma.
 - w13: gate rows ``n`` and up rows ``I + n`` of the same channels form one A tile of ``2 * BLOCK_N`` rows, so
   the epilogue splits one accumulator into ``silu(gate) * up``. w2: routing weight in fp32, then fp32 atomics
   into [M, H] (the top-k sum) or one row per pair.
