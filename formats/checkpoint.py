@@ -304,26 +304,6 @@ class CheckpointReader:
             self._pread_into(entry, _writable_bytes(tensor), entry.offset)
         return tensor
 
-    def map(self, name: str) -> torch.Tensor:
-        """One tensor as a private (copy-on-write) mapping of its bytes in the file: no copy, the file unchanged.
-
-        For a reader that uses each tensor briefly and whose bytes are in the page cache (the converter, once
-        its source hasher has read them): reading them costs no ``pread`` copy. The mapping lives as long as the
-        tensor and its views, and counts in RSS only while it does, so hold few at a time."""
-        entry = self.entry(name)
-        if not entry.nbytes:
-            return self.read(name)
-        start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
-        fd = self._fd(entry.file)
-        if os.fstat(fd).st_size < entry.offset + entry.nbytes:  # shrank since the header was read
-            raise RepackError(
-                f"{self.folder / entry.file}: truncated while reading tensor {entry.name} (file shorter than its "
-                "header says); re-download it"
-            )
-        mapping = mmap.mmap(fd, entry.offset + entry.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset - start)
-        return flat.view(entry.torch_dtype).view(entry.shape)
-
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the first dimension of one tensor, reading only their bytes."""
         entry = self.entry(name)

@@ -350,7 +350,7 @@ def stream_pack_stack(reader: CheckpointReader, step: PackStack) -> Iterator[tup
             if not scheme.sym or not bool((linear.qzeros == sym_word).all()):
                 check_zero_points(module, linear, scheme)  # unpacks the zeros; explains a mismatch
         experts.append(linears)
-    yield from iter_pack_stack(info, experts, lambda module: reader.map(f"{module}.qweight"))
+    yield from iter_pack_stack(info, experts, lambda module: reader.read(f"{module}.qweight"))
 
 
 Piece = tuple[str, torch.Tensor]  # (output tensor name, the next bytes of it)

@@ -219,25 +219,21 @@ def build_plan(
     for layer in layers:
         stacks_by_layer[layer.layer] = _layer_stacks(layer, quant, reader)
         consumed |= layer.consumed
-    groups: dict[str, LayerGroup] = {}
-    order: list[tuple[int, str]] = []
+    layer_groups: dict[int, LayerGroup] = {}
+    others: list[CopyTensor] = []  # tensors outside the decoder layers (embeddings, final norm, lm_head)
     for name in reader.names():
         if name in consumed:
             continue
-        match = _LAYER_INDEX.search(name)
-        label = f"layer {match[1]}" if match else "other"
-        if label not in groups:
-            groups[label] = LayerGroup(label)
-            order.append((int(match[1]) if match else -1, label))
         entry = reader.entry(name)
-        groups[label].steps.append(CopyTensor(name, entry.shape, entry.dtype, entry.file, entry.nbytes))
+        step = CopyTensor(name, entry.shape, entry.dtype, entry.file, entry.nbytes)
+        match = _LAYER_INDEX.search(name)
+        if match:
+            layer_groups.setdefault(int(match[1]), LayerGroup(f"layer {match[1]}")).steps.append(step)
+        else:
+            others.append(step)
     for index, stacks in stacks_by_layer.items():
-        label = f"layer {index}"
-        if label not in groups:
-            groups[label] = LayerGroup(label)
-            order.append((index, label))
-        groups[label].steps.extend(stacks)
-    for group in groups.values():
+        layer_groups.setdefault(index, LayerGroup(f"layer {index}")).steps.extend(stacks)
+    for group in layer_groups.values():
         copies = sorted((s for s in group.steps if isinstance(s, CopyTensor)), key=lambda s: s.name)
         group.steps = copies + [s for s in group.steps if not isinstance(s, CopyTensor)]
     skip = {*reader.files, INDEX_FILE, CONFIG_FILE, MANIFEST_FILE}
@@ -248,11 +244,41 @@ def build_plan(
         source=source,
         quant=quant,
         family=family.name,
-        groups=[groups[label] for _, label in sorted(order)],
+        groups=_in_source_order(reader, [layer_groups[index] for index in sorted(layer_groups)], others),
         weight_files=list(reader.files),
         files_to_copy=selection.copied,
         files_left_behind=selection.left_behind,
     )
+
+
+def _in_source_order(reader: CheckpointReader, layers: list[LayerGroup], others: list[CopyTensor]) -> list[LayerGroup]:
+    """The layers in index order, with the tensors outside them placed where they lie in the source files: each run
+    of them between two layers' bytes (in file order, then offset) becomes one group "other" there.
+
+    Why: the source hasher reads the files front to back and the converter reads each step once the hasher has
+    passed it. A checkpoint stores lm_head and the final norm after the last layer; converted first, they were read
+    cold from the end of the last file while the hasher read the first, and read again by the hasher later."""
+    rank = {file: index for index, file in enumerate(reader.files)}
+
+    def position(name: str) -> tuple[int, int]:
+        entry = reader.entry(name)
+        return rank[entry.file], entry.offset
+
+    def first_byte(group: LayerGroup) -> tuple[int, int]:
+        names = [n for step in group.steps for n in (step.sources if not isinstance(step, CopyTensor) else [step.name])]
+        return min(map(position, names))
+
+    layer_starts = [first_byte(group) for group in layers]
+    runs: dict[int, LayerGroup] = {}  # layers before the run -> the run
+    for step in sorted(others, key=lambda step: position(step.name)):
+        before = sum(start < position(step.name) for start in layer_starts)
+        runs.setdefault(before, LayerGroup("other")).steps.append(step)
+    ordered = [runs[0]] if 0 in runs else []
+    for count, group in enumerate(layers, start=1):
+        ordered.append(group)
+        if count in runs:
+            ordered.append(runs[count])
+    return ordered
 
 
 def _header_linear(reader: CheckpointReader, module: str) -> GptqLinear:

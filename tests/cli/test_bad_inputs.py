@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+import repack.convert
 from repack.formats.gptq import GptqScheme
 from repack.synthetic import write_synthetic_checkpoint
 from tests.support.cli import assert_one_line_error, copy_checkpoint, edit_weights, run_cli
@@ -159,6 +161,21 @@ def test_truncated_safetensors(src, tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     convert_fails(src, tmp_path, str(path), "truncated")
+
+
+def test_source_truncated_after_its_header_was_read(src, tmp_path, monkeypatch):
+    """A shard cut short while converting (after planning read its header) ends in the one line, not a SIGBUS or a
+    short output: the converter reads source bytes with pread, which reports the end of the file."""
+    path = src / "model.safetensors"
+    plan = repack.convert.build_plan
+
+    def plan_then_truncate(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        os.truncate(path, path.stat().st_size // 2)
+        return result
+
+    monkeypatch.setattr(repack.convert, "build_plan", plan_then_truncate)
+    convert_fails(src, tmp_path, str(path), "truncated while reading tensor")
 
 
 def test_corrupt_safetensors_header(src, tmp_path):
