@@ -47,6 +47,10 @@ class CopyTensor:
     source_file: str
     nbytes: int
 
+    @property
+    def sources(self) -> list[str]:
+        return [self.name]
+
     def planned_tensors(self) -> list[PlannedTensor]:
         return [PlannedTensor(self.name, self.dtype, tuple(self.shape))]
 
@@ -252,33 +256,24 @@ def build_plan(
 
 
 def _in_source_order(reader: CheckpointReader, layers: list[LayerGroup], others: list[CopyTensor]) -> list[LayerGroup]:
-    """The layers in index order, with the tensors outside them placed where they lie in the source files: each run
-    of them between two layers' bytes (in file order, then offset) becomes one group "other" there.
+    """The layers in index order, with the tensors outside them (embeddings, final norm, lm_head) in a group "other"
+    before them where they lie before every layer's bytes in the source files (file order, then offset), and in a
+    group "other" after them otherwise.
 
     Why: the source hasher reads the files front to back and the converter reads each step once the hasher has
-    passed it. A checkpoint stores lm_head and the final norm after the last layer; converted first, they were read
-    cold from the end of the last file while the hasher read the first, and read again by the hasher later."""
+    passed it. Checkpoints store lm_head after the last layer; converted first, it was read cold from the end of the
+    last file while the hasher read the first, and read again by the hasher later."""
     rank = {file: index for index, file in enumerate(reader.files)}
 
     def position(name: str) -> tuple[int, int]:
         entry = reader.entry(name)
         return rank[entry.file], entry.offset
 
-    def first_byte(group: LayerGroup) -> tuple[int, int]:
-        names = [n for step in group.steps for n in (step.sources if not isinstance(step, CopyTensor) else [step.name])]
-        return min(map(position, names))
-
-    layer_starts = [first_byte(group) for group in layers]
-    runs: dict[int, LayerGroup] = {}  # layers before the run -> the run
-    for step in sorted(others, key=lambda step: position(step.name)):
-        before = sum(start < position(step.name) for start in layer_starts)
-        runs.setdefault(before, LayerGroup("other")).steps.append(step)
-    ordered = [runs[0]] if 0 in runs else []
-    for count, group in enumerate(layers, start=1):
-        ordered.append(group)
-        if count in runs:
-            ordered.append(runs[count])
-    return ordered
+    layer_names = [name for group in layers for step in group.steps for name in step.sources]
+    first_layer_byte = min(map(position, layer_names), default=(len(rank), 0))
+    front = LayerGroup("other", [step for step in others if position(step.name) < first_layer_byte])
+    back = LayerGroup("other", [step for step in others if position(step.name) >= first_layer_byte])
+    return [group for group in (front, *layers, back) if group.steps]
 
 
 def _header_linear(reader: CheckpointReader, module: str) -> GptqLinear:

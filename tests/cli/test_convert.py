@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from rich.console import Console
 from safetensors import safe_open
 
 from repack.convert import convert, parse_size
-from repack.formats.checkpoint import CheckpointReader, read_repack_config
+from repack.formats.checkpoint import CheckpointReader, read_repack_config, write_safetensors
 from repack.formats.gptq import GptqScheme
 from repack.formats.stacks import INDEX_FILE, MANIFEST_FILE
 from repack.synthetic import write_synthetic_checkpoint
@@ -110,6 +111,34 @@ def test_dry_run_lists_every_output_tensor_and_writes_nothing(tmp_path):
     for name in outputs:
         assert name in printed
     assert "model.layers.1.mlp.experts.7.down_proj" in printed  # sources are named
+
+
+def test_plan_reads_the_source_front_to_back(tmp_path):
+    """Tensors outside the layers go where they lie in the files: the embeddings before the layers when stored first,
+    lm_head and the final norm after them (it was converted first: a cold read at the end of the last file)."""
+    src = write_synthetic_checkpoint(
+        tmp_path / "src", family="qwen2_moe", scheme=GptqScheme(4, 128, True, "gptq"), shard_size=100_000
+    )
+    reader = CheckpointReader(src)
+    last = reader.entries["lm_head.weight"]
+    assert (last.file, last.offset + last.nbytes) == (reader.files[-1], max(e.offset + e.nbytes for e in
+            reader.entries.values() if e.file == last.file))  # fmt: skip
+    plan = convert(str(src), tmp_path / "out", dry_run=True, console=Console(file=io.StringIO()))
+    assert [group.label for group in plan.groups] == ["layer 0", "layer 1", "other"]
+    assert {step.name for step in plan.groups[-1].steps} >= {"lm_head.weight", "model.norm.weight"}
+
+    first = reader.entries["model.embed_tokens.weight"]
+    rewritten = tmp_path / "embeddings-first"
+    tensors = {name: reader.read(name) for name in reader.names()}
+    order = sorted(tensors, key=lambda name: name != first.name)
+    rewritten.mkdir()
+    for path in src.iterdir():
+        if not path.name.endswith(("safetensors", INDEX_FILE)):
+            shutil.copy(path, rewritten / path.name)
+    write_safetensors(rewritten / "model.safetensors", {name: tensors[name] for name in order})
+    plan = convert(str(rewritten), tmp_path / "out", dry_run=True, console=Console(file=io.StringIO()))
+    assert [group.label for group in plan.groups] == ["other", "layer 0", "layer 1", "other"]
+    assert [step.name for step in plan.groups[0].steps] == [first.name]
 
 
 def test_parse_size():
