@@ -12,9 +12,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-_NIBBLES = np.uint32(0x0F0F0F0F)  # step 1: high nibbles of the first word <-> low nibbles of the second
-_HALVES = np.uint32(0x0000FFFF)  # step 2
-_BYTES = np.uint32(0x00FF00FF)  # step 3
+_LOW = np.uint64(0xFFFFFFFF)
+_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)  # step 1
+_HALVES = np.uint64(0x0000FFFF0000FFFF)  # step 2
+_BYTES = np.uint64(0xFF00FF00)  # step 3: these bytes of the low word <-> the bytes 24 bits up (of the high word)
+_SHIFTS = (np.uint64(4), np.uint64(16), np.uint64(24), np.uint64(32))
 _BLOCK = 16  # words of one 128-input block
 
 # Why three swaps suffice. Label a block's "gptq" words (g, c, d, a), word 8g + 4c + 2d + a, and a word's bytes
@@ -27,8 +29,10 @@ _BLOCK = 16  # words of one 128-input block
 #   2. Swap 16-bit halves between the words h=0 and h=1 of the same c,
 #   3. then bytes between the words c=0 and c=1 of the same h: word (g, c, h, a) now is mma128 word
 #      8g + 4a + 2h + c.
-# Step 1 writes each word to the row that step 3 leaves it as, so no reordering remains; each swap is its own
-# inverse, so the inverse runs them in reverse order.
+# Each swap is its own inverse, so the inverse runs them in reverse order. The loops below hold the words c=0 and
+# c=1 of the same (g, a, d) as the low and high half of one 64-bit integer, which is where steps 1-3 leave them
+# (mma128 words 8g + 4a + 2d + c, so 64-bit word 4g + 2a + d of the block): steps 1 and 2 then swap between two
+# such integers (d=0, d=1) and step 3 inside each, every operation serving two words.
 
 
 @numba.njit(inline="always")
@@ -38,53 +42,60 @@ def _swap(p, q, shift, mask):
     return p ^ (t << shift), q ^ t
 
 
-@numba.njit(nogil=True, cache=True)
-def _swap_halves_then_bytes(block, undo):
-    """Steps 2 and 3 on one block in "mma128" positions (or, with ``undo``, step 3 then step 2: each is its own
-    inverse)."""
-    for step in range(2):
-        halves = (step == 0) != undo
-        for g in range(2):
-            for a in range(2):
-                for x in range(2):
-                    if halves:  # pairs d=0, d=1 of the same c = x
-                        i, j, shift, mask = 8 * g + 4 * a + x, 8 * g + 4 * a + 2 + x, 16, _HALVES
-                    else:  # pairs c=0, c=1 of the same d = x
-                        i, j, shift, mask = 8 * g + 4 * a + 2 * x, 8 * g + 4 * a + 2 * x + 1, 8, _BYTES
-                    block[i], block[j] = _swap(block[i], block[j], shift, mask)
+@numba.njit(inline="always")
+def _swap_within(x, shift, mask):
+    """Delta swap inside one integer: its bits under ``mask`` trade places with its bits under ``mask << shift``."""
+    t = ((x >> shift) ^ x) & mask
+    return x ^ t ^ (t << shift)
+
+
+@numba.njit(inline="always")
+def _to_mma128_pair(p, q):
+    """Steps 1-3 on the 64-bit words d=0 (``p``) and d=1 (``q``) of one (g, a)."""
+    nibble, half, byte, _ = _SHIFTS
+    p, q = _swap(p, q, nibble, _NIBBLES)
+    p, q = _swap(p, q, half, _HALVES)
+    return _swap_within(p, byte, _BYTES), _swap_within(q, byte, _BYTES)
+
+
+@numba.njit(inline="always")
+def _from_mma128_pair(p, q):
+    """Exact inverse of :func:`_to_mma128_pair`: steps 3, 2, 1."""
+    nibble, half, byte, _ = _SHIFTS
+    p, q = _swap_within(p, byte, _BYTES), _swap_within(q, byte, _BYTES)
+    p, q = _swap(p, q, half, _HALVES)
+    return _swap(p, q, nibble, _NIBBLES)
 
 
 @numba.njit(nogil=True, cache=True)
 def transpose_to_mma128(source, target):
-    """Input-major "gptq" words ``source [R, N]`` (uint32) -> output-major "mma128" words ``target [N, R]``."""
+    """Input-major "gptq" words ``source [R, N]`` (uint32) -> output-major "mma128" words ``target [N, R/2]`` (uint64,
+    the view of ``[N, R]`` uint32 words)."""
     rows, cols = source.shape
+    high = _SHIFTS[3]
     for start in range(0, rows, _BLOCK):
         for n in range(cols):
-            block = target[n, start : start + _BLOCK]
+            block = target[n, start // 2 : (start + _BLOCK) // 2]
             for g in range(2):
-                for c in range(2):
-                    for a in range(2):
-                        row = start + 8 * g + 4 * c + a
-                        low, high = _swap(source[row, n], source[row + 2, n], 4, _NIBBLES)
-                        block[8 * g + 4 * a + c] = low
-                        block[8 * g + 4 * a + 2 + c] = high
-            _swap_halves_then_bytes(block, False)
+                for a in range(2):
+                    row = start + 8 * g + a  # word (g, c=0, d=0, a); c=1 is 4 rows on, d=1 2 rows on
+                    p = np.uint64(source[row, n]) | (np.uint64(source[row + 4, n]) << high)
+                    q = np.uint64(source[row + 2, n]) | (np.uint64(source[row + 6, n]) << high)
+                    block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
 
 
 @numba.njit(nogil=True, cache=True)
 def transpose_from_mma128(source, target):
-    """Exact inverse of :func:`transpose_to_mma128`: output-major "mma128" ``source [N, R]`` -> input-major "gptq"
-    ``target [R, N]``."""
-    cols, rows = source.shape
-    block = np.empty(_BLOCK, dtype=np.uint32)
+    """Exact inverse of :func:`transpose_to_mma128`: output-major "mma128" ``source [N, R/2]`` (uint64) -> input-major
+    "gptq" ``target [R, N]`` (uint32)."""
+    cols, rows = source.shape[0], 2 * source.shape[1]
+    high = _SHIFTS[3]
     for start in range(0, rows, _BLOCK):
         for n in range(cols):
-            block[:] = source[n, start : start + _BLOCK]
-            _swap_halves_then_bytes(block, True)
+            block = source[n, start // 2 : (start + _BLOCK) // 2]
             for g in range(2):
-                for c in range(2):
-                    for a in range(2):
-                        row = start + 8 * g + 4 * c + a
-                        low, high = _swap(block[8 * g + 4 * a + c], block[8 * g + 4 * a + 2 + c], 4, _NIBBLES)
-                        target[row, n] = low
-                        target[row + 2, n] = high
+                for a in range(2):
+                    p, q = _from_mma128_pair(block[4 * g + 2 * a], block[4 * g + 2 * a + 1])
+                    row = start + 8 * g + a
+                    target[row, n], target[row + 4, n] = p & _LOW, p >> high
+                    target[row + 2, n], target[row + 6, n] = q & _LOW, q >> high

@@ -65,7 +65,9 @@ def transpose_to_word_order(words: torch.Tensor, order: str, out: torch.Tensor |
         out = torch.empty(tuple(reversed(words.shape)), dtype=torch.int32)
     if order == GPTQ_ORDER:
         return out.copy_(words.t())
-    _kernels().transpose_to_mma128(_uint32(words), _uint32(out))
+    if out.stride(-1) != 1:  # the loops store pairs of words
+        return out.copy_(transpose_to_word_order(words, order))
+    _kernels().transpose_to_mma128(_uint32(words), _word_pairs(out))
     return out
 
 
@@ -77,7 +79,7 @@ def transpose_from_word_order(words: torch.Tensor, order: str, out: torch.Tensor
         out = torch.empty(tuple(reversed(words.shape)), dtype=torch.int32)
     if order == GPTQ_ORDER:
         return out.copy_(words.t())
-    _kernels().transpose_from_mma128(_uint32(words), _uint32(out))
+    _kernels().transpose_from_mma128(_word_pairs(words if words.stride(-1) == 1 else words.contiguous()), _uint32(out))
     return out
 
 
@@ -93,6 +95,12 @@ def _uint32(words: torch.Tensor) -> np.ndarray:
     if sys.byteorder != "little":  # the masks name nibbles and bytes of little-endian words
         raise RuntimeError("word orders are converted through little-endian words; this host is big-endian")
     return words.numpy().view(np.uint32)
+
+
+def _word_pairs(words: torch.Tensor) -> np.ndarray:
+    """Rows of words (last axis contiguous, even length) as 64-bit integers, each holding two words (the first in
+    the low half)."""
+    return _uint32(words).view(np.uint64)
 
 
 def _check_order(words: torch.Tensor, order: str) -> str:

@@ -117,6 +117,17 @@ def test_converters_accept_non_contiguous_words():
     assert torch.equal(from_word_order(mma.t().contiguous().t(), "mma128"), words)
 
 
+def test_transposing_converters_accept_outputs_of_any_strides():
+    """The compiled loops store pairs of words; an output whose rows are not contiguous still gets every word."""
+    gptq = torch.randint(INT32_MIN, INT32_MAX + 1, (32, 6), dtype=torch.int32)  # input-major [R, N]
+    expected = transpose_to_word_order(gptq, "mma128")
+    out = torch.zeros(32, 6, dtype=torch.int32).t()  # [N, R], rows strided
+    assert transpose_to_word_order(gptq, "mma128", out=out) is out and torch.equal(out, expected)
+    back = torch.zeros(6, 32, dtype=torch.int32).t()  # [R, N], rows strided
+    assert transpose_from_word_order(expected.t().contiguous().t(), "mma128", out=back) is back
+    assert torch.equal(back, gptq)
+
+
 @pytest.mark.parametrize("order", ["gptq", "mma128"])
 def test_transposing_converters_match_the_definition(order):
     """The converter's form: input-major GPTQ words [R, N] (a strided column slice, as for one chunk of a shared
