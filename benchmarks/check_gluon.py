@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from repack.formats.gptq import GptqScheme, dequantize
-from repack.formats.stacks import ROUTED, StackInfo, pack_stack, plan_flags
+from repack.formats.stacks import ROUTED, pack_stack, stack_info
 from repack.runtime.fused_moe import GLUON_ENV, PORTABLE_ENV, fused_moe, kernel_path
 from repack.runtime.kernel_config import GluonTile
 from repack.runtime.kernels import gluon_sm90
@@ -87,15 +87,7 @@ def make_stack(experts: int, hidden: int, inter: int, scheme: GptqScheme, act_or
         ]
         sources.append(tuple(lin))
         names.append((f"e{j}.gate_proj", f"e{j}.up_proj", f"e{j}.down_proj"))
-    act13, act2, has_g_idx = plan_flags(names, sources, scheme)
-    from repack.formats.stacks import choose_word_order
-
-    info = StackInfo(
-        prefix="mlp.experts", kind=ROUTED, num_experts=experts, hidden_size=hidden, intermediate_size=inter,
-        bits=4, group_size=scheme.group_size, sym=scheme.sym, checkpoint_format=scheme.checkpoint_format,
-        act_order_w13=act13, act_order_w2=act2, has_g_idx=has_g_idx, source_modules=[list(n) for n in names],
-        word_order=choose_word_order(4, hidden, inter, scheme.group_size),
-    )  # fmt: skip
+    info = stack_info("mlp.experts", ROUTED, names, sources, scheme, hidden=hidden, inter=inter)
     weights = MoeWeights.from_tensors(info, pack_stack(info, sources))
     weights = MoeWeights(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
     w13 = torch.stack([torch.cat([dequantize(g, scheme), dequantize(u, scheme)]) for g, u, _ in sources]).cuda()

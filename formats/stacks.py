@@ -422,6 +422,40 @@ def plan_flags(
     return w13, w2, has_g_idx
 
 
+def stack_info(
+    prefix: str,
+    kind: str,
+    names: list[tuple[str, str, str]],
+    experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]],
+    scheme: GptqScheme,
+    *,
+    hidden: int,
+    inter: int,
+    num_experts: int | None = None,
+    word_order: str | None = None,
+) -> StackInfo:
+    """The StackInfo of the stack made of ``experts`` (gate, up, down) named ``names``, as the converter plans it:
+    act-order read from their g_idx (:func:`plan_flags`), the word order :func:`choose_word_order` picks unless
+    given. ``num_experts`` counts stacked experts where a source expert is split into chunks (default: one each)."""
+    act_w13, act_w2, has_g_idx = plan_flags(names, experts, scheme)
+    return StackInfo(
+        prefix=prefix,
+        kind=kind,
+        num_experts=len(names) if num_experts is None else num_experts,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        bits=scheme.bits,
+        group_size=scheme.group_size,
+        sym=scheme.sym,
+        checkpoint_format=scheme.checkpoint_format,
+        act_order_w13=act_w13,
+        act_order_w2=act_w2,
+        has_g_idx=has_g_idx,
+        source_modules=[list(n) for n in names],
+        word_order=word_order or choose_word_order(scheme.bits, hidden, inter, scheme.group_size),
+    )
+
+
 def dequantize_stack(info: StackInfo, tensors: dict[str, torch.Tensor], dtype=torch.float32):
     """Reference dequantization of a stack in OUR layout: (w13 [E, 2I, H] in original input order, w2 [E, H, I]).
 

@@ -27,7 +27,7 @@ from repack.formats.stacks import (
     StackInfo,
     choose_word_order,
     joinable,
-    plan_flags,
+    stack_info,
 )
 from repack.model_files import CopiedFile, select_model_files
 from repack.source import SourceCheckpoint
@@ -342,23 +342,7 @@ def _stack(
 ) -> PackStack:
     scheme = _stack_scheme(quant, triples, prefix)
     experts, hidden, inter = _checked_experts(reader, triples, scheme)
-    act_w13, act_w2, has_g_idx = plan_flags(triples, experts, scheme)
-    info = StackInfo(
-        prefix=prefix,
-        kind=kind,
-        num_experts=len(triples),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        bits=scheme.bits,
-        group_size=scheme.group_size,
-        sym=scheme.sym,
-        checkpoint_format=scheme.checkpoint_format,
-        act_order_w13=act_w13,
-        act_order_w2=act_w2,
-        has_g_idx=has_g_idx,
-        source_modules=[list(t) for t in triples],
-        word_order=choose_word_order(scheme.bits, hidden, inter, scheme.group_size),
-    )
+    info = stack_info(prefix, kind, triples, experts, scheme, hidden=hidden, inter=inter)
     modules = {module for triple in triples for module in triple}
     sources = sorted(name for name in consumed if name.rsplit(".", 1)[0] in modules)
     source_bytes = sum(reader.entry(name).nbytes for name in sources)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from repack.formats.gptq import GptqLinear, GptqScheme
-from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, ROUTED, StackInfo, pack_stack, plan_flags
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, ROUTED, StackInfo, pack_stack, stack_info
 from repack.runtime.weights import MoeWeights
 from repack.synthetic_linear import quantize_linear
 
@@ -29,22 +29,8 @@ def routed_stack_info(
     """The StackInfo of a routed stack of ``experts`` (``len(sources)`` source experts, each split into
     ``experts // len(sources)`` chunks of ``inter``), act-order decided from the sources as the converter does."""
     names = expert_names(len(sources))
-    act13, act2, has_g_idx = plan_flags(names, sources, scheme)
-    return StackInfo(
-        prefix=prefix,
-        kind=ROUTED,
-        num_experts=experts,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        bits=scheme.bits,
-        group_size=scheme.group_size,
-        sym=scheme.sym,
-        checkpoint_format=scheme.checkpoint_format,
-        act_order_w13=act13,
-        act_order_w2=act2,
-        has_g_idx=has_g_idx,
-        source_modules=[list(n) for n in names],
-        word_order=word_order,
+    return stack_info(
+        prefix, ROUTED, names, sources, scheme, hidden=hidden, inter=inter, num_experts=experts, word_order=word_order
     )
 
 
