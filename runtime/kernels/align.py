@@ -1,13 +1,26 @@
-"""Token-to-expert block alignment on the GPU: one Triton launch, no host synchronisation.
+"""Token-to-expert block alignment on the GPU: O(pairs + E) work over many programs, no host synchronisation.
 
 The tensor-core families work on blocks of BLOCK_M rows that all use one expert. This module sorts the
 (token, k) pairs by expert and pads every expert's segment to a multiple of BLOCK_M with a sentinel pair
 (``M * k``, masked by the GEMMs). Sizes are upper bounds known on the host (``max_blocks``), the real
 block count stays in device memory (``num_blocks``), so the whole step is CUDA-graph capturable.
 
-A single program does it in three phases separated by barriers: count pairs per expert, write each
-block's expert id (and -1 for blocks past the end), scatter each pair to its expert's segment at
-``offset[e] + rank``, the rank coming from a running count plus a cumulative sum inside a chunk.
+Why not one program: a single program walking every pair with a one-hot [chunk, E] cumsum (the first version
+of this module) took 69% of a Qwen3-30B call at M=4096 (benchmarks/KERNEL_NOTES.md item 17). Now the pairs are
+cut into chunks of up to MAX_CHUNK, one program each, and the work is O(pairs + E):
+
+1. ``_count_kernel`` (grid: chunks): the chunk's pairs per expert (``tl.histogram``), and this program's share
+   of the output filled with the sentinel;
+2. ``_scan_kernel`` (one program, O(chunks x E)): the counts summed, every expert's padded segment end
+   (a scan over E), ``num_blocks``, and a cursor per (chunk, expert): where that chunk's pairs of that expert
+   begin (a scan over chunks);
+3. ``_scatter_kernel`` (grid: chunks): every pair takes the next slot of its (chunk, expert) cursor with one
+   atomic (contended only inside its chunk), and each program writes the expert of its share of the blocks.
+
+The order of the pairs inside a segment is the order the atomics land in: not fixed on a GPU, the pair order
+in Triton's interpreter. No result depends on it: every GEMM row is its pair's own dot products, and the top-k
+sum reads the rows back by pair index. When every pair fits one chunk (decode-sized calls) one program runs the
+three steps back to back: a single launch.
 """
 
 from __future__ import annotations
@@ -17,6 +30,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+MAX_CHUNK = 1024  # pairs one program counts and places; the chunk count (grid of steps 1 and 3) is pairs / MAX_CHUNK
+SCAN_TILE = 8192  # elements of one [chunks, E] tile in the scan program
 
 
 @dataclass
@@ -44,59 +60,116 @@ def max_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_kernel(
-    ids_ptr,
-    sorted_pairs_ptr,
-    block_experts_ptr,
-    num_blocks_ptr,
-    num_pairs,
-    num_experts,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
+def _count_chunk(ids_ptr, chunk, num_pairs, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Pairs per expert [BLOCK_E] of chunk ``chunk``; ids outside [0, E) are not counted."""
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    return tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < num_experts))
+
+
+@triton.jit
+def _fill_sentinel(sorted_pairs_ptr, program, programs, total_rows, sentinel, FILL: tl.constexpr):
+    """Program ``program`` of ``programs`` writes the sentinel into its share of ``sorted_pairs``."""
+    span = tl.cdiv(tl.cdiv(total_rows, programs), FILL) * FILL
+    lanes = tl.arange(0, FILL)
+    end = tl.minimum(total_rows, (program + 1) * span)
+    for start in range(program * span, end, FILL):
+        rows = start + lanes
+        tl.store(sorted_pairs_ptr + rows, tl.full([FILL], 0, tl.int32) + sentinel, mask=rows < end)
+
+
+@triton.jit
+def _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M: tl.constexpr,
+              BLOCK_E: tl.constexpr, TILE_C: tl.constexpr):  # fmt: skip
+    """From the per-chunk counts [chunks, BLOCK_E]: every expert's padded segment end (``ends``), the block
+    count, and ``cursors[c, e]``, the first slot of chunk c's pairs of expert e (segment start + pairs of e in
+    the chunks before c), so the scatter's atomics only meet other pairs of their own chunk and expert."""
     experts = tl.arange(0, BLOCK_E)
-    lanes = tl.arange(0, CHUNK)
-
-    # Phase 1: pairs per expert.
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + lanes
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        counts += tl.sum(onehot, axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    rows = tl.arange(0, TILE_C)
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, chunks, TILE_C):
+        in_range = (c0 + rows)[:, None] < chunks
+        totals += tl.sum(tl.load(counts_ptr + (c0 + rows)[:, None] * BLOCK_E + experts[None, :], mask=in_range), 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(num_blocks_ptr, total // BLOCK_M)
+    tl.store(ends_ptr + experts, ends)
+    tl.store(num_blocks_ptr, tl.sum(padded, axis=0) // BLOCK_M)
+    running = ends - padded
+    for c0 in range(0, chunks, TILE_C):
+        offs = (c0 + rows)[:, None] * BLOCK_E + experts[None, :]
+        in_range = (c0 + rows)[:, None] < chunks
+        tile = tl.load(counts_ptr + offs, mask=in_range, other=0)
+        tl.store(cursors_ptr + offs, running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=in_range)
+        running += tl.sum(tile, axis=0)
 
-    # Phase 2: expert of every block (-1 past the end) and sentinel rows everywhere.
-    sentinel = num_pairs
-    for start in range(0, max_blocks, CHUNK):
-        blocks = start + lanes
+
+@triton.jit
+def _block_experts(ends_ptr, block_experts_ptr, program, programs, max_blocks, BLOCK_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr, TILE_B: tl.constexpr):  # fmt: skip
+    """Program ``program`` of ``programs`` writes the expert of its share of the blocks: the number of segments
+    that end at or before the block's first row, -1 past the last segment."""
+    ends = tl.load(ends_ptr + tl.arange(0, BLOCK_E))
+    total = tl.max(ends, axis=0)
+    span = tl.cdiv(tl.cdiv(max_blocks, programs), TILE_B) * TILE_B
+    lanes = tl.arange(0, TILE_B)
+    end = tl.minimum(max_blocks, (program + 1) * span)
+    for b0 in range(program * span, end, TILE_B):
+        blocks = b0 + lanes
         first_row = blocks * BLOCK_M
         owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(first_row < total, owner, -1)
-        tl.store(block_experts_ptr + blocks, owner, mask=blocks < max_blocks)
-    for start in range(0, max_blocks * BLOCK_M, CHUNK):
-        rows = start + lanes
-        tl.store(sorted_pairs_ptr + rows, tl.full([CHUNK], 0, tl.int32) + sentinel, mask=rows < max_blocks * BLOCK_M)
-    tl.debug_barrier()
+        tl.store(block_experts_ptr + blocks, tl.where(first_row < total, owner, -1), mask=blocks < end)
 
-    # Phase 3: scatter pairs to starts[e] + (pairs of e seen before this one).
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + lanes
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
-        slot = tl.sum(onehot * (starts[None, :] + rank), axis=1)
-        # An id outside [0, E) has no segment: skip it rather than land on slot 0 over another token's pair.
-        known = tl.sum(onehot, axis=1) > 0
-        tl.store(sorted_pairs_ptr + slot, pairs, mask=(pairs < num_pairs) & known)
-        seen += tl.sum(onehot, axis=0)
+
+@triton.jit
+def _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, num_pairs, num_experts, BLOCK_E: tl.constexpr,
+                   CHUNK: tl.constexpr):  # fmt: skip
+    """Place chunk ``chunk``'s pairs: each takes the next slot of its (chunk, expert) cursor (one atomic)."""
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
+    slot = tl.atomic_add(cursors_ptr + chunk * BLOCK_E + ids, 1, mask=placed, sem="relaxed")
+    tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, sorted_pairs_ptr, num_pairs, num_experts, total_rows,
+                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    chunk = tl.program_id(0)
+    counts = _count_chunk(ids_ptr, chunk, num_pairs, num_experts, BLOCK_E, CHUNK)
+    tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    _fill_sentinel(sorted_pairs_ptr, chunk, tl.num_programs(0), total_rows, num_pairs, FILL)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M: tl.constexpr,
+                 BLOCK_E: tl.constexpr, TILE_C: tl.constexpr):  # fmt: skip
+    _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M, BLOCK_E, TILE_C)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
+                    max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                    TILE_B: tl.constexpr):  # fmt: skip
+    chunk = tl.program_id(0)
+    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, num_pairs, num_experts, BLOCK_E, CHUNK)
+    _block_experts(ends_ptr, block_experts_ptr, chunk, tl.num_programs(0), max_blocks, BLOCK_M, BLOCK_E, TILE_B)
+
+
+@triton.jit
+def _align_one_chunk_kernel(ids_ptr, counts_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr,
+                            num_blocks_ptr, num_pairs, num_experts, total_rows, max_blocks, BLOCK_M: tl.constexpr,
+                            BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                            TILE_B: tl.constexpr):  # fmt: skip
+    """The three steps in one program, for calls whose pairs fit one chunk; the barriers order each step's
+    global writes before the next step's reads (one program: its own threads only)."""
+    counts = _count_chunk(ids_ptr, 0, num_pairs, num_experts, BLOCK_E, CHUNK)
+    tl.store(counts_ptr + tl.arange(0, BLOCK_E), counts)
+    _fill_sentinel(sorted_pairs_ptr, 0, 1, total_rows, num_pairs, FILL)
+    tl.debug_barrier()
+    _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, 1, BLOCK_M, BLOCK_E, 1)
+    tl.debug_barrier()
+    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, 0, num_pairs, num_experts, BLOCK_E, CHUNK)
+    _block_experts(ends_ptr, block_experts_ptr, 0, 1, max_blocks, BLOCK_M, BLOCK_E, TILE_B)
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -104,22 +177,33 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     num_pairs = topk_ids.numel()
     device = topk_ids.device
     max_blocks = max_aligned_blocks(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    total_rows = max_blocks * block_m
+    sorted_pairs = torch.empty(total_rows, dtype=torch.int32, device=device)
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
-    chunk = max(32, min(1024, 16384 // block_e))
-    _align_kernel[(1,)](
-        topk_ids.reshape(-1),
-        sorted_pairs,
-        block_experts,
-        num_blocks,
-        num_pairs,
-        num_experts,
-        max_blocks,
-        BLOCK_M=block_m,
-        BLOCK_E=block_e,
-        CHUNK=chunk,
-        num_warps=8,
-    )
+    chunk = max(16, min(MAX_CHUNK, triton.next_power_of_2(num_pairs)))
+    chunks = triton.cdiv(num_pairs, chunk)
+    # One int32 scratch: per-chunk counts and cursors [chunks, BLOCK_E] each, segment ends [BLOCK_E], num_blocks [1].
+    scratch = torch.empty(2 * chunks * block_e + block_e + 1, dtype=torch.int32, device=device)
+    counts, cursors = scratch[: chunks * block_e], scratch[chunks * block_e : 2 * chunks * block_e]
+    ends, num_blocks = scratch[2 * chunks * block_e : -1], scratch[-1:]
+    ids = topk_ids.reshape(-1)
+    sizes = dict(BLOCK_M=block_m, BLOCK_E=block_e)
+    tile_b = max(16, SCAN_TILE // block_e)  # blocks per [blocks, E] compare tile
+    if chunks == 1:
+        _align_one_chunk_kernel[(1,)](
+            ids, counts, cursors, ends, sorted_pairs, block_experts, num_blocks, num_pairs, num_experts, total_rows,
+            max_blocks, CHUNK=chunk, FILL=1024, TILE_B=tile_b, num_warps=4, **sizes,
+        )  # fmt: skip
+        return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
+    _count_kernel[(chunks,)](
+        ids, counts, sorted_pairs, num_pairs, num_experts, total_rows, BLOCK_E=block_e, CHUNK=chunk, FILL=1024,
+        num_warps=4,
+    )  # fmt: skip
+    tile_c = max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
+    _scan_kernel[(1,)](counts, cursors, ends, num_blocks, chunks, TILE_C=tile_c, num_warps=4, **sizes)
+    _scatter_kernel[(chunks,)](
+        ids, cursors, ends, sorted_pairs, block_experts, num_pairs, num_experts, max_blocks, CHUNK=chunk,
+        TILE_B=tile_b, num_warps=4, **sizes,
+    )  # fmt: skip
     return Alignment(sorted_pairs, block_experts, num_blocks, block_m)

@@ -64,3 +64,72 @@ def test_nan_logits_still_give_expert_ids_in_range(device):
     _, ids = route(logits, 2, True)
     assert int(ids.min()) >= 0 and int(ids.max()) < 4
     assert ids[2].tolist() == [0, 3]
+
+
+def reference_alignment(ids: torch.Tensor, experts: int, block_m: int) -> tuple[list[list[int]], list[int]]:
+    """A plain Python alignment: per used expert in id order, its pairs padded with the sentinel to whole blocks
+    (as rows of block_m), and each block's expert."""
+    flat = ids.flatten().tolist()
+    sentinel = len(flat)
+    blocks, owners = [], []
+    for e in range(experts):
+        pairs = [p for p, i in enumerate(flat) if i == e]
+        pairs += [sentinel] * (-len(pairs) % block_m)
+        for b in range(0, len(pairs), block_m):
+            blocks.append(pairs[b : b + block_m])
+            owners.append(e)
+    return blocks, owners
+
+
+def routing(kind: str, tokens: int, top_k: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """[tokens, top_k] ids of one kind: uniform, a third of the experts unused, or one expert taking every pair."""
+    if kind == "uniform":
+        return torch.randint(0, experts, (tokens, top_k), generator=gen)
+    if kind == "third":
+        used = torch.randperm(experts, generator=gen)[: max(1, experts // 3)]
+        return used[torch.randint(0, len(used), (tokens, top_k), generator=gen)]
+    return torch.full((tokens, top_k), experts - 1)  # "one": every pair on the last expert
+
+
+ALIGN_CASES = [  # tokens, top_k, experts, block_m, routing: pairs from 1 to 32768, E from 8 to 256
+    (1, 1, 8, 16, "uniform"),
+    (4, 8, 256, 16, "uniform"),
+    (128, 8, 128, 16, "third"),
+    (1000, 2, 8, 128, "one"),
+    (4096, 8, 128, 128, "uniform"),
+    (4096, 8, 256, 64, "third"),
+    (3000, 6, 64, 32, "one"),
+    (2500, 4, 60, 64, "uniform"),
+]
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m", "kind"), ALIGN_CASES)
+def test_align_matches_a_python_reference(device, tokens, top_k, experts, block_m, kind):
+    """Single-chunk and multi-chunk alignments against the reference: the same blocks, each block the same set of
+    pairs (the order inside an expert's segment is not part of the contract: atomics place them on a GPU)."""
+    gen = torch.Generator().manual_seed(tokens * experts + block_m)
+    ids = routing(kind, tokens, top_k, experts, gen).to(torch.int32)
+    blocks, owners = reference_alignment(ids, experts, block_m)
+    a = align_pairs(ids.to(device), experts, block_m)
+    num_blocks = int(a.num_blocks.cpu())
+    assert num_blocks == len(blocks)
+    assert a.block_experts.cpu()[:num_blocks].tolist() == owners
+    assert bool((a.block_experts.cpu()[num_blocks:] == -1).all())
+    got = a.sorted_pairs.cpu().view(-1, block_m)
+    for e in set(owners):  # each expert's segment holds exactly its pairs, then sentinels
+        rows = [b for b, owner in enumerate(owners) if owner == e]
+        segment = got[rows].flatten().tolist()
+        want = [p for b in rows for p in blocks[b]]
+        assert sorted(segment) == sorted(want)
+        real = [p for p in segment if p != tokens * top_k]
+        assert segment[: len(real)] == real  # the padding comes last
+    assert bool((got[num_blocks:] == tokens * top_k).all())
+
+
+def test_align_skips_ids_outside_the_stack(device):
+    """An id outside [0, E) (a caller's bug) has no segment: it is not placed, and nothing else is overwritten."""
+    ids = torch.tensor([[0, 5], [-1, 1], [1, 0]], dtype=torch.int32)
+    a = align_pairs(ids.to(device), 4, 16)
+    assert int(a.num_blocks.cpu()) == 2
+    got = a.sorted_pairs.cpu().view(-1, 16)
+    assert sorted(got[0][got[0] < 6].tolist()) == [0, 5] and sorted(got[1][got[1] < 6].tolist()) == [3, 4]
