@@ -17,8 +17,9 @@ export one ``run``:
 
 The config (runtime/kernel_config.py) names the family; :func:`choose_kernels` turns that into the family that
 can run the stack (:func:`kernel_path`: which one a call takes). The tensor-core families write one row per
-(token, k) pair, summed here (or fp32 atomics into [M, H] with ``reduce="atomic"``). Nothing here synchronises
-with the host, so the whole call can be captured in a CUDA graph. Dimension letters: runtime/kernels/__init__.py.
+(token, k) pair, summed by kernels/topk_sum.py (or fp32 atomics into [M, H] with ``reduce="atomic"``). Nothing
+here synchronises with the host, so the whole call can be captured in a CUDA graph. Dimension letters:
+runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from repack.runtime.kernels import decode, gluon_sm90, gptq_order, weight_major
 from repack.runtime.kernels.align import align_pairs
 from repack.runtime.kernels.backend import gluon_sm90_runs
 from repack.runtime.kernels.common import TL_DTYPES
+from repack.runtime.kernels.topk_sum import topk_sum
 from repack.runtime.weights import MoeWeights
 
 # bf16 activations on the weight-major kernels (past decode). True (default): each fp16 scale is rounded to bf16
@@ -182,5 +184,5 @@ def fused_moe(
     if atomic:
         out.copy_(target)
     elif target is not out:
-        torch.sum(target.view(m, top_k, h), dim=1, out=out)  # [M, T, H] -> [M, H]
+        topk_sum(target, top_k, out)  # [M * T, H] -> [M, H]
     return out

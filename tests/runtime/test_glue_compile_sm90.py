@@ -1,0 +1,70 @@
+"""The glue kernels around the GEMMs (routing, alignment, top-k sum) compile for sm_90 on the CPU.
+
+They run in Triton's interpreter in the other tests, which accepts code the GPU compiler may reject
+(tl.histogram, atomics, the sort-free scatter). Runs in a subprocess: the test session sets TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXPERTS = (8, 60, 128, 256)
+
+
+def _compile(kernel, constexprs: dict, types: dict[str, str]):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    signature = {
+        n: "constexpr" if n in constexprs else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
+        for n in kernel.arg_names
+    }
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr")}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def _worker() -> None:
+    import triton
+    import triton.language as tl
+
+    from repack.runtime.kernels import align, routing, topk_sum
+
+    for experts in EXPERTS:
+        block_e = triton.next_power_of_2(experts)
+        tile_b = max(16, align.SCAN_TILE // block_e)
+        sizes = dict(BLOCK_E=block_e, CHUNK=align.MAX_CHUNK)
+        kernels = {
+            "one_chunk": (align._align_one_chunk_kernel, dict(BLOCK_M=16, FILL=1024, TILE_B=tile_b, **sizes)),
+            "count": (align._count_kernel, dict(FILL=1024, **sizes)),
+            "scan": (align._scan_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=align.SCAN_TILE // block_e)),
+            "scatter": (align._scatter_kernel, dict(BLOCK_M=128, TILE_B=tile_b, **sizes)),
+            "route": (routing._route_kernel, dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=16, BLOCK_E=block_e)),
+        }
+        for name, (kernel, constexprs) in kernels.items():
+            types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32"}
+            compiled = _compile(kernel, constexprs, types)
+            print(json.dumps({"kernel": name, "experts": experts, "shared": compiled.metadata.shared}), flush=True)
+    for dtype in ("fp16", "bf16"):
+        consts = dict(TOP_K=8, OUT_DTYPE=tl.float16 if dtype == "fp16" else tl.bfloat16, BLOCK_T=2, BLOCK_H=1024)
+        compiled = _compile(topk_sum._topk_sum_kernel, consts, {"rows_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"})
+        print(json.dumps({"kernel": f"topk_sum {dtype}", "shared": compiled.metadata.shared}), flush=True)
+
+
+@pytest.mark.slow
+def test_glue_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 5 * len(EXPERTS) + 2
+    assert all(r["shared"] <= 232448 for r in results), results  # Hopper's opt-in shared memory per block
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()
