@@ -1,17 +1,19 @@
 """Check and time the fused W4A16 MoE on a GPU: routed experts alone and the whole block with the shared expert.
 
-    python benchmarks/bench_moe.py [--quick] [--out DIR]
+    python benchmarks/bench_moe.py [--quick] [--profile] [--cases qwen3-30b,...] [--out DIR]
 
-For each case (Qwen2-57B-A14B, Qwen1.5-MoE-A2.7B), dtype (fp16, bf16) and token count M it prints and
-writes (``DIR/bench_moe.json`` and ``DIR/bench_moe.md``, DIR defaults to $OUT or benchmarks/):
-ours (routed: router logits -> route + align + fused_moe -> output); the whole block with the shared expert
-as C always-on chunks in both of MoeBlock's shared modes, "joined" (one fused_moe call over the E + C experts)
-and "separate" (a second fused_moe call), as MoeBlock.apply_experts runs them after routing; the bytes floor
-(touched int4 weights + scales + activations over the device copy bandwidth measured in this run), a cuBLAS
-fp16 baseline (per-expert torch matmuls on dequantized weights, graph-captured, routing precomputed), and the
-reference timings of other kernels in ``REFERENCE_US``. Each weight copy is one [E + C] allocation per tensor
-whose first E experts are the routed stack and last C the shared chunks, both views, as the loader yields a
-joined layer.
+For each case (the seven shapes of ``CASES``), dtype (fp16, bf16) and token count M it prints and writes
+(``DIR/bench_moe.json`` and ``DIR/bench_moe.md``, DIR defaults to $OUT or benchmarks/):
+ours (routed: router logits -> route + align + fused_moe -> output); with ``--profile``, where that call's
+time goes, launch by launch (benchmarks/launch_profile.py); for cases with a shared expert, the whole block
+with it as C always-on chunks in both of MoeBlock's shared modes, "joined" (one fused_moe call over the E + C
+experts) and "separate" (a second fused_moe call), as MoeBlock.apply_experts runs them after routing; the
+bytes floor (touched int4 weights + scales + activations over the device copy bandwidth measured in this run)
+and a cuBLAS fp16 baseline (per-expert torch matmuls on dequantized weights, graph-captured, routing
+precomputed). Marlin and vLLM's Triton kernels are measured in the same process by ../shared/bench-marlin
+(benchmarks/RESULTS.md has the command), never copied in here. Each weight copy is one [E + C] allocation per
+tensor whose first E experts are the routed stack and last C the shared chunks, both views, as the loader
+yields a joined layer.
 Both modes are checked against a float32 reference first. Every timing is a CUDA-graph replay over several
 weight copies (so L2, 60 MB on H200, never holds the weights), median of many replays. Needs only torch +
 triton and the repo on PYTHONPATH.
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.launch_profile import breakdown, profile_graph
 from repack.formats.stacks import from_word_order
 from repack.runtime.kernel_config import KernelConfig
 from repack.runtime.moe_block import JOINED, SEPARATE, MoeBlock
@@ -44,19 +47,6 @@ M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 M_QUICK = (1, 4, 16, 64, 256, 1024, 4096)
 CHECK_M = (1, 16, 300)
 
-# Reference timings of vLLM's Marlin MoE and fp16 Triton fused MoE on an H200 (fp16, int4 g128 sym, routed experts
-# only), microseconds, given to this project with its brief; this benchmark does not re-run those kernels.
-REFERENCE_US = {
-    "qwen2-57b": {
-        "marlin": {1: 67.6, 4: 148.6, 16: 262.1, 64: 345.9, 256: 645.5, 1024: 2008.6, 4096: 6823.6},
-        "fp16_triton": {1: 118.8, 4: 373.1, 16: 710.8, 64: 827.2, 256: 878.4, 1024: 1233.6, 4096: 4015.4},
-    },
-    "qwen1.5-moe": {
-        "marlin": {1: 39.6, 4: 53.6, 16: 82.3, 64: 119.3, 256: 176.1, 1024: 480.1, 4096: 1273.3},
-        "fp16_triton": {1: 35.4, 4: 88.4, 16: 171.1, 64: 265.6, 256: 284.1, 1024: 345.0, 4096: 912.9},
-    },
-}
-
 
 @dataclass(frozen=True)
 class Case:
@@ -69,7 +59,18 @@ class Case:
     renormalize: bool = False
 
 
-CASES = (Case("qwen2-57b", 64, 8, 3584, 2560, 8), Case("qwen1.5-moe", 60, 4, 2048, 1408, 4))
+# The shapes of benchmarks/RESULTS.md; shared experts as chunks of I (DeepSeek-V3's routing is approximated by a
+# renormalised softmax top-k: the kernels only see ids and weights).
+CASES = (
+    Case("qwen2-57b", 64, 8, 3584, 2560, 8),
+    Case("qwen1.5-moe", 60, 4, 2048, 1408, 4),
+    Case("qwen3-30b", 128, 8, 2048, 768, 0, renormalize=True),
+    Case("mixtral-8x7b", 8, 2, 4096, 14336, 0, renormalize=True),
+    Case("dsv2-lite", 64, 6, 2048, 1408, 2),
+    Case("qwen3-235b", 128, 8, 4096, 1536, 0, renormalize=True),
+    Case("dsv3", 256, 8, 7168, 2048, 1, renormalize=True),
+)
+DEFAULT_CASES = ("qwen2-57b", "qwen1.5-moe")  # the shapes with shipped H200 tables
 
 
 def log(msg: str) -> None:
@@ -192,24 +193,36 @@ def make_blocks(case: Case, stack: MoeWeights, gate_weight: torch.Tensor) -> dic
     return blocks
 
 
-def bench_case(case: Case, dtype, ms, bandwidth: float) -> list[dict]:
+@dataclass
+class Copy:
+    """One weight copy: the routed stack and, for a case with a shared expert, a MoeBlock per shared mode."""
+
+    routed: MoeWeights
+    blocks: dict[str, MoeBlock]
+
+
+def make_copy(case: Case, stack: MoeWeights, gate_weight: torch.Tensor) -> Copy:
+    if not case.shared_chunks:
+        return Copy(stack, {})
+    blocks = make_blocks(case, stack, gate_weight)
+    return Copy(blocks[JOINED].routed, blocks)
+
+
+def bench_case(case: Case, dtype, ms, bandwidth: float, profile: bool = False) -> list[dict]:
     """Check once, then time every M of one (case, dtype)."""
     expert_bytes = 3 * case.hidden * case.inter / 2 + 3 * case.hidden * case.inter / 128 * 2
     copies = rotation(expert_bytes * min(case.top_k, case.experts))
     gate_weight = (torch.randn(1, case.hidden, device="cuda") * 0.05).half()
     stacks = random_stack(case.experts + case.shared_chunks, case.hidden, case.inter, copies)
-    blocks = [make_blocks(case, stack, gate_weight) for stack in stacks]
-    err = check_case(case, dtype, blocks[0][JOINED].routed)
-    block_err = check_block(case, dtype, blocks[0])
-    log(
-        f"  check {case.name} {dtype}: max rel err {err:.2e} routed, {block_err[JOINED]:.2e} block joined, "
-        f"{block_err[SEPARATE]:.2e} block separate over M={CHECK_M}, {copies} weight copies"
-    )
-    fp16_weights = [dequantize_all(b[JOINED].routed, case.experts, dtype) for b in blocks[:2]]
-    rows = [bench_m(case, dtype, m, blocks, fp16_weights, bandwidth) for m in ms]
+    weights = [make_copy(case, stack, gate_weight) for stack in stacks]
+    err = check_case(case, dtype, weights[0].routed)
+    block_err = check_block(case, dtype, weights[0].blocks) if case.shared_chunks else {}
+    blocks_line = ", ".join(f"{e:.2e} block {mode}" for mode, e in block_err.items())
+    log(f"  check {case.name} {dtype}: max rel err {err:.2e} routed {blocks_line} over M={CHECK_M}, {copies} copies")
+    fp16_weights = [dequantize_all(w.routed, case.experts, dtype) for w in weights[:2]]
+    rows = [bench_m(case, dtype, m, weights, fp16_weights, bandwidth, profile) for m in ms]
     for row in rows:
-        row.update(check_rel_err=err, check_block_joined_rel_err=block_err[JOINED])
-        row["check_block_separate_rel_err"] = block_err[SEPARATE]
+        row.update(check_rel_err=err, **{f"check_block_{mode}_rel_err": e for mode, e in block_err.items()})
     torch.cuda.empty_cache()
     return rows
 
@@ -220,24 +233,28 @@ def dequantize_all(stack, experts: int, dtype) -> tuple[torch.Tensor, torch.Tens
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def bench_m(case: Case, dtype, m: int, blocks: list[dict[str, MoeBlock]], fp16_weights, bandwidth: float) -> dict:
-    """Time routed experts, the whole block in each shared mode and the cuBLAS baseline at one token count."""
-    from repack.runtime.fused_moe import fused_moe
+def bench_m(case: Case, dtype, m: int, weights: list[Copy], fp16_weights, bandwidth: float, profile: bool) -> dict:
+    """Time routed experts (and profile them), the whole block in each shared mode and the cuBLAS baseline at one
+    token count."""
+    from repack.runtime.fused_moe import fused_moe, kernel_path
     from repack.runtime.kernels.routing import route
 
     x, logits = random_inputs(case, dtype, m, "cuda")
     routed_out, cublas_out = (torch.empty(m, case.hidden, dtype=dtype, device="cuda") for _ in range(2))
 
+    def routed_step(i: int):
+        w, ids = route(logits, case.top_k, case.renormalize)
+        fused_moe(x, weights[i].routed, ids, w, out=routed_out)
+
     def routed():
-        for b in blocks:
-            w, ids = route(logits, case.top_k, case.renormalize)
-            fused_moe(x, b[JOINED].routed, ids, w, out=routed_out)
+        for i in range(len(weights)):
+            routed_step(i)
 
     def block(mode: str):
         def run():
-            for b in blocks:
+            for copy in weights:
                 w, ids = route(logits, case.top_k, case.renormalize)
-                b[mode].apply_experts(x, w, ids)
+                copy.blocks[mode].apply_experts(x, w, ids)
 
         return run
 
@@ -255,56 +272,54 @@ def bench_m(case: Case, dtype, m: int, blocks: list[dict[str, MoeBlock]], fp16_w
                 cublas_out.index_add_(0, tok, (act @ w2_f[e].T) * rw)
 
     replays = 50 if m <= 256 else 20
-    t_routed = time_graph(routed, replays) / len(blocks)
-    t_block = {mode: time_graph(block(mode), replays) / len(blocks) for mode in TIMED_MODES}
+    t_routed = time_graph(routed, replays) / len(weights)
+    modes = TIMED_MODES if case.shared_chunks else ()
+    t_block = {mode: time_graph(block(mode), replays) / len(weights) for mode in modes}
     t_cublas = time_graph(cublas, replays) / len(fp16_weights)
+    launches = profile_graph(routed_step, len(weights)) if profile else []
     expert_bytes = 3 * case.hidden * case.inter / 2 + 3 * case.hidden * case.inter / 128 * 2
     floor_bytes = len(touched) * expert_bytes + 2 * m * case.hidden * 2 + m * case.experts * 4
     floor = floor_bytes / bandwidth * 1e6
-    references = {k: v.get(m) for k, v in REFERENCE_US[case.name].items()}
     row = dict(
         case=case.name,
         dtype=str(dtype).removeprefix("torch."),
         M=m,
+        kernels=str(kernel_path(x, weights[0].routed, case.top_k)),
         ours_us=t_routed,
-        block_joined_us=t_block[JOINED],
-        block_separate_us=t_block[SEPARATE],
+        **{f"block_{mode}_us": t for mode, t in t_block.items()},
         floor_us=floor,
         cublas_fp16_us=t_cublas,
         ours_over_floor=t_routed / floor,
-        marlin_us=references["marlin"],
-        fp16_triton_us=references["fp16_triton"],
         touched=len(touched),
+        launches=launches,
     )
-    marlin = f"{references['marlin']:.1f}" if references["marlin"] else "-"
+    blocks_line = " ".join(f"block {mode} {t:9.1f}" for mode, t in t_block.items())
     log(
-        f"  {case.name:12s} {row['dtype']:8s} M={m:5d} ours {t_routed:9.1f} block joined {t_block[JOINED]:9.1f} "
-        f"separate {t_block[SEPARATE]:9.1f} floor {floor:8.1f} ({t_routed / floor:4.2f}x) cublas {t_cublas:9.1f} "
-        f"marlin {marlin}"
+        f"  {case.name:12s} {row['dtype']:8s} M={m:5d} ours {t_routed:9.1f} {blocks_line} floor {floor:8.1f} "
+        f"({t_routed / floor:4.2f}x) cublas {t_cublas:9.1f}" + (f" | {breakdown(launches)}" if launches else "")
     )
     return row
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
+    """The report: one line per (case, dtype, M), with the launch breakdown when profiled."""
     lines = [
         f"# bench_moe ({meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']})",
         "",
-        f"Command: `{meta['command']}`; copy bandwidth {meta['copy_bw_GBs']:.0f} GB/s. Microseconds.",
+        f"Command: `{meta['command']}`; copy bandwidth {meta['copy_bw_GBs']:.0f} GB/s. Microseconds per call; "
+        "launches: device time per call of each kernel (torch.profiler over the graph replay).",
         "",
-        "| case | dtype | M | ours | block joined | block separate | floor | ours/floor | cuBLAS fp16 | Marlin "
-        "| ours/Marlin | fp16 Triton | ours/fp16T |",
-        "|" + "---|" * 13,
+        "| case | dtype | M | kernels | ours | block joined | block separate | floor | ours/floor | cuBLAS fp16 "
+        "| launches |",
+        "|" + "---|" * 11,
     ]
-    fmt = lambda a: f"{a:.1f}" if a else "-"  # noqa: E731
+    fmt = lambda a: f"{a:.1f}" if a is not None else "-"  # noqa: E731
     for r in rows:
-        ratio = f"{r['ours_us'] / r['marlin_us']:.2f}" if r["marlin_us"] else "-"
-        ratio_t = f"{r['ours_us'] / r['fp16_triton_us']:.2f}" if r["fp16_triton_us"] else "-"
+        launches = "; ".join(f"{x['name']} {x['us']:.1f}" for x in r.get("launches", [])) or "-"
         lines.append(
-            f"| {r['case']} | {r['dtype']} | {r['M']} | {r['ours_us']:.1f} | {r['block_joined_us']:.1f} | "
-            f"{r['block_separate_us']:.1f} | "
-            f"{r['floor_us']:.1f} | {r['ours_over_floor']:.2f} | {r['cublas_fp16_us']:.1f} | "
-            f"{fmt(r['marlin_us'])} | {ratio} | {fmt(r['fp16_triton_us'])} | "
-            f"{ratio_t} |"
+            f"| {r['case']} | {r['dtype']} | {r['M']} | {r.get('kernels', '-')} | {r['ours_us']:.1f} | "
+            f"{fmt(r.get('block_joined_us'))} | {fmt(r.get('block_separate_us'))} | {r['floor_us']:.1f} | "
+            f"{r['ours_over_floor']:.2f} | {r['cublas_fp16_us']:.1f} | {launches} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -312,12 +327,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"M in {M_QUICK} only")
+    parser.add_argument("--profile", action="store_true", help="add the per-launch breakdown of every call")
     parser.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).parent)))
     parser.add_argument("--dtypes", default="float16,bfloat16")
-    parser.add_argument("--cases", default=",".join(c.name for c in CASES))
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"any of {[c.name for c in CASES]}")
     args = parser.parse_args(argv)
     import triton
 
+    unknown = set(args.cases.split(",")) - {c.name for c in CASES}
+    if unknown:
+        parser.error(f"unknown case(s) {sorted(unknown)}; choose from {[c.name for c in CASES]}")
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     meta = dict(
@@ -332,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for case in (c for c in CASES if c.name in args.cases.split(",")):
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-            rows += bench_case(case, dtype, M_QUICK if args.quick else M_ALL, bandwidth)
+            rows += bench_case(case, dtype, M_QUICK if args.quick else M_ALL, bandwidth, args.profile)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_moe.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

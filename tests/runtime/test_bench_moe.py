@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import bench_moe
+from benchmarks.launch_profile import short_name
 from repack.formats.stacks import choose_word_order
 from repack.runtime.moe_block import JOINED, SEPARATE
 from repack.runtime.weights import MoeWeights
@@ -38,13 +39,25 @@ def test_blocks_of_both_modes_agree_with_the_float32_reference(device):
     assert all(error <= 5e-3 for error in errors.values()), errors
 
 
-def test_report_has_a_column_per_shared_mode():
+def test_report_has_a_column_per_shared_mode_and_the_launches():
+    launches = [dict(name="_w13_kernel", us=6.0, launches=1.0), dict(name="_route_kernel", us=2.5, launches=1.0)]
     row = dict(
-        case="tiny", dtype="float16", M=1, ours_us=10.0, block_joined_us=12.0, block_separate_us=15.0, floor_us=5.0,
-        ours_over_floor=2.0, cublas_fp16_us=30.0, marlin_us=None, fp16_triton_us=None,
+        case="tiny", dtype="float16", M=1, kernels="Kernels.DECODE", ours_us=10.0, block_joined_us=12.0,
+        block_separate_us=15.0, floor_us=5.0, ours_over_floor=2.0, cublas_fp16_us=30.0, launches=launches,
     )  # fmt: skip
+    no_shared = dict(row, block_joined_us=None, block_separate_us=None, launches=[])
     meta = dict(date="today", gpu="none", torch="-", triton="-", command="-", copy_bw_GBs=1.0)
-    table = bench_moe.markdown([row], meta)
-    header, _, line = table.strip().splitlines()[-3:]
-    assert "block joined" in header and "block separate" in header
-    assert "| 12.0 | 15.0 |" in line and header.count("|") == line.count("|")
+    table = bench_moe.markdown([row, no_shared], meta)
+    header, _, line, line_no_shared = table.strip().splitlines()[-4:]
+    assert "block joined" in header and "block separate" in header and "launches" in header
+    assert "| 12.0 | 15.0 |" in line and header.count("|") == line.count("|") == line_no_shared.count("|")
+    assert "_w13_kernel 6.0; _route_kernel 2.5" in line
+    assert "| - | - |" in line_no_shared
+
+
+def test_launch_names_are_short():
+    assert short_name("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::Half>>(T1)") == (
+        "at::native::reduce_kernel"
+    )
+    assert short_name("_w13_kernel") == "_w13_kernel"
+    assert short_name("Memset (Device)") == "Memset"

@@ -1,0 +1,85 @@
+"""Markdown tables of one same-process run against Marlin (../shared/bench-marlin's anchor_results.json).
+
+    python benchmarks/anchor_report.py RESULTS.json [--launches]
+
+Prints ours/Marlin per model and M (below 1: we are faster), each cell's times, and with ``--launches`` where
+every call's time goes (runs made with ANCHOR_PROFILE=1: torch.profiler over the graph replay), so a change
+can be predicted against the row it should move. What RESULTS.md records comes from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+GLUE = ("_route_kernel", "_align", "_count_kernel", "_scan_kernel", "_scatter_kernel", "_topk_sum_kernel")
+
+
+def label(row: dict) -> str:
+    return row["model"] + ("" if row["tag"] == "main" else f" {row['tag']}")
+
+
+def ratio_table(rows: list[dict]) -> list[str]:
+    """ours / Marlin per model (rows) and M (columns)."""
+    ms = sorted({r["M"] for r in rows})
+    cells: dict[str, dict[int, str]] = defaultdict(dict)
+    for r in rows:
+        ours, marlin = (r["variants"].get(v, {}).get("us") for v in ("project", "marlin"))
+        cells[label(r)][r["M"]] = f"{ours / marlin:.2f}" if ours and marlin else "-"
+    lines = ["| ours / Marlin | " + " | ".join(f"M={m}" for m in ms) + " |", "|---" * (len(ms) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(c.get(m, "") for m in ms) + " |" for name, c in cells.items()]
+    return lines
+
+
+def times_table(rows: list[dict]) -> list[str]:
+    """floor / ours / Marlin / vLLM fp16 Triton microseconds, and our error against float32."""
+    lines = ["| model | M | kernels | floor | ours | Marlin | fp16 Triton | ours/Marlin | ours/floor | ours err |"]
+    lines.append("|---" * 10 + "|")
+    fmt = lambda a, spec=".1f": format(a, spec) if a else "-"  # noqa: E731
+    for r in rows:
+        v = r["variants"]
+        ours, marlin, fp16 = (v.get(n, {}).get("us") for n in ("project", "marlin", "triton_fp16"))
+        config = v.get("project", {}).get("config")
+        path = config.get("kernel_path", "") if isinstance(config, dict) else ""
+        floor = r.get("floor_us")
+        lines.append(
+            f"| {label(r)} | {r['M']} | {path.removeprefix('Kernels.')} | {fmt(floor)} | {fmt(ours)} | "
+            f"{fmt(marlin)} | {fmt(fp16)} | {fmt(ours and marlin and ours / marlin, '.2f')} | "
+            f"{fmt(ours and floor and ours / floor, '.2f')} | {v.get('project', {}).get('rel_err', float('nan')):.1e} |"
+        )
+    return lines
+
+
+def launches_table(rows: list[dict], variant: str = "project") -> list[str]:
+    """Per call: the total, the glue (routing, alignment, top-k sum) and its share, then every launch."""
+    lines = [f"| model | M | call | glue | glue % | launches ({variant}, us per call) |", "|---" * 6 + "|"]
+    for r in rows:
+        rec = r["variants"].get(variant, {})
+        if "launches" not in rec:
+            continue
+        glue = sum(x["us"] for x in rec["launches"] if x["name"].startswith(GLUE))
+        parts = "; ".join(f"{x['name']} {x['us']:.1f}" + (f" x{x['launches']:.0f}" if x["launches"] > 1.01 else "")
+                          for x in rec["launches"])  # fmt: skip
+        lines.append(
+            f"| {label(r)} | {r['M']} | {rec['us']:.1f} | {glue:.1f} | {100 * glue / rec['us']:.1f} | {parts} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--launches", action="store_true", help="add the per-launch tables (ours and Marlin)")
+    args = parser.parse_args(argv)
+    data = json.loads(args.results.read_text())
+    rows = [r for r in data["rows"] if "variants" in r]
+    out = ratio_table(rows) + [""] + times_table(rows)
+    if args.launches:
+        out += [""] + launches_table(rows, "project") + [""] + launches_table(rows, "marlin")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
