@@ -68,7 +68,7 @@ bench-convert: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
 
 bench-moe: $(STAMP)
-	$(BIN)/python benchmarks/bench_moe.py
+	$(BIN)/python -m benchmarks.bench_moe
 
 clean:
 	rm -rf $(DEMO_DIR) build dist *.egg-info .pytest_cache .ruff_cache $(VLLM_WHEELS)

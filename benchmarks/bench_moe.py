@@ -1,6 +1,6 @@
 """Check and time the fused W4A16 MoE on a GPU: routed experts alone and the whole block with the shared expert.
 
-    python benchmarks/bench_moe.py [--quick] [--profile] [--cases qwen3-30b,...] [--out DIR]
+    python -m benchmarks.bench_moe [--quick] [--profile] [--cases qwen3-30b,...] [--out DIR]
 
 For each case (the seven shapes of ``CASES``), dtype (fp16, bf16) and token count M it prints and writes
 (``DIR/bench_moe.json`` and ``DIR/bench_moe.md``, DIR defaults to $OUT or benchmarks/):
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
-        command="python benchmarks/bench_moe.py " + " ".join(argv or sys.argv[1:]),
+        command="python -m benchmarks.bench_moe " + " ".join(argv or sys.argv[1:]),
         copy_bw_GBs=bandwidth / 1e9,
     )
     log(f"{meta['gpu']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
