@@ -14,6 +14,7 @@ What is touched (vLLM 0.32):
   ``SharedExperts._output`` and ``SharedExperts._output_idx`` (the slot the runner reads the shared term from):
   private; vLLM's own modular kernels fill that slot by running ``_layer``, which the plugin must not do (the
   stacked shared expert's linears have no weights of their own).
+- ``torch.ops._C.cpu_gemm_wna16``: the op vLLM's CPU GPTQ linear kernel calls (:func:`vllm_cpu_gptq_kernel_loaded`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from repack.runtime.integrations.vllm import installed_vllm_version, unsupported_vllm
+
+CPU_GPTQ_OP = "cpu_gemm_wna16"  # what vLLM's CPUWNA16LinearKernel runs; only the AVX-512 build of _C registers it
 
 
 def vllm_attribute(owner: object, name: str):
@@ -40,3 +43,19 @@ def hand_shared_output(shared_experts, value: torch.Tensor) -> None:
     """Put ``value`` where vLLM's runner reads the shared-expert term it adds to the experts' output."""
     slots = vllm_attribute(shared_experts, "_output")
     slots[vllm_attribute(shared_experts, "_output_idx")] = value
+
+
+def vllm_cpu_gptq_kernel_loaded() -> bool:
+    """Whether vLLM's GPTQ linear can run on this host: off the CPU, yes (vLLM's own kernel choice decides there);
+    on the CPU build, only where its op library has ``cpu_gemm_wna16``.
+
+    vllm-cpu loads ``_C`` (built for AVX-512) or, on a CPU without AVX-512, ``_C_AVX2``, which lacks that op; its
+    ``AutoGPTQLinearMethod`` still picks ``CPUWNA16LinearKernel`` there and the first forward fails. The op library
+    is loaded with vLLM's CPU platform (``vllm._custom_ops``), before any model is built."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    import vllm._custom_ops  # noqa: F401  (loads the op library this host's CPU build uses)
+
+    return hasattr(torch.ops._C, CPU_GPTQ_OP)
