@@ -11,6 +11,10 @@ model size.
 
     python benchmarks/make_synthetic_57b.py OUT                       # full size, ~31 GB
     python benchmarks/make_synthetic_57b.py OUT --layers 1 --scale small   # tiny, same structure
+    python benchmarks/make_synthetic_57b.py OUT --scale qwen3-30b --layers 4   # Qwen3-30B-A3B shapes, 4 layers
+
+``--scale qwen3-30b`` writes Qwen3-30B-A3B-GPTQ-Int4's shapes instead (48 layers of 128 experts, top-8, H=2048,
+I=768, 32 heads of 128 with 4 KV heads, q/k norms, no shared expert, no attention bias), the same way.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ class Qwen2MoeSizes:
     num_attention_heads: int
     num_key_value_heads: int
     intermediate_size: int  # dense MLP size in the config (unused by 57B, which has no dense layer)
+    family: str = "qwen2_moe"  # or "qwen3_moe": head_dim of its own, q/k norms, no shared expert, no qkv bias
+    attention_head_dim: int | None = None  # None: hidden_size // num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
 
 FULL = Qwen2MoeSizes(
@@ -70,6 +76,20 @@ FULL = Qwen2MoeSizes(
     num_attention_heads=28,
     num_key_value_heads=4,
     intermediate_size=18944,
+)
+QWEN3_30B = Qwen2MoeSizes(
+    num_layers=48,
+    hidden_size=2048,
+    num_experts=128,
+    moe_intermediate_size=768,
+    shared_expert_intermediate_size=0,
+    top_k=8,
+    vocab_size=151936,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    intermediate_size=6144,
+    family="qwen3_moe",
+    attention_head_dim=128,
 )
 SMALL = Qwen2MoeSizes(
     num_layers=28,
@@ -122,17 +142,23 @@ def model_specs(sizes: Qwen2MoeSizes) -> list[TensorSpec]:
     for layer in range(sizes.num_layers):
         prefix = f"model.layers.{layer}"
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        qwen2 = sizes.family == "qwen2_moe"
+        q = sizes.num_attention_heads * sizes.head_dim
         specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", "float16", (h,), "ones"))
-        specs += gptq_linear_specs(f"{attn}.q_proj", h, h, bias=True)
-        specs += gptq_linear_specs(f"{attn}.k_proj", h, kv, bias=True)
-        specs += gptq_linear_specs(f"{attn}.v_proj", h, kv, bias=True)
-        specs += gptq_linear_specs(f"{attn}.o_proj", h, h)
+        specs += gptq_linear_specs(f"{attn}.q_proj", h, q, bias=qwen2)
+        specs += gptq_linear_specs(f"{attn}.k_proj", h, kv, bias=qwen2)
+        specs += gptq_linear_specs(f"{attn}.v_proj", h, kv, bias=qwen2)
+        specs += gptq_linear_specs(f"{attn}.o_proj", q, h)
+        if not qwen2:
+            specs.append(TensorSpec(f"{attn}.q_norm.weight", "float16", (sizes.head_dim,), "ones"))
+            specs.append(TensorSpec(f"{attn}.k_norm.weight", "float16", (sizes.head_dim,), "ones"))
         specs.append(TensorSpec(f"{prefix}.post_attention_layernorm.weight", "float16", (h,), "ones"))
         specs.append(TensorSpec(f"{mlp}.gate.weight", "float16", (sizes.num_experts, h), "small_floats"))
         for expert in range(sizes.num_experts):
             specs += _mlp_specs(f"{mlp}.experts.{expert}", h, sizes.moe_intermediate_size)
-        specs += _mlp_specs(f"{mlp}.shared_expert", h, sizes.shared_expert_intermediate_size)
-        specs.append(TensorSpec(f"{mlp}.shared_expert_gate.weight", "float16", (1, h), "small_floats"))
+        if sizes.shared_expert_intermediate_size:
+            specs += _mlp_specs(f"{mlp}.shared_expert", h, sizes.shared_expert_intermediate_size)
+            specs.append(TensorSpec(f"{mlp}.shared_expert_gate.weight", "float16", (1, h), "small_floats"))
     specs.append(TensorSpec("model.norm.weight", "float16", (h,), "ones"))
     specs.append(TensorSpec("lm_head.weight", "float16", (sizes.vocab_size, h), "small_floats"))
     return specs
@@ -288,10 +314,50 @@ def qwen2_57b_config(sizes: Qwen2MoeSizes) -> dict:
     }
 
 
+def qwen3_30b_config(sizes: Qwen2MoeSizes) -> dict:
+    """config.json of Qwen3-30B-A3B-GPTQ-Int4 (transformers 5 key names), scaled to ``sizes``."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "decoder_sparse_step": 1,
+        "dtype": "float16",
+        "head_dim": sizes.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": sizes.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": sizes.intermediate_size,
+        "max_position_embeddings": 40960,
+        "max_window_layers": sizes.num_layers,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": sizes.moe_intermediate_size,
+        "norm_topk_prob": True,
+        "num_attention_heads": sizes.num_attention_heads,
+        "num_experts": sizes.num_experts,
+        "num_experts_per_tok": sizes.top_k,
+        "num_hidden_layers": sizes.num_layers,
+        "num_key_value_heads": sizes.num_key_value_heads,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.24.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": sizes.vocab_size,
+        "quantization_config": gptqmodel_quantization_config(SCHEME, act_order=False),
+    }
+
+
 def write_checkpoint(out: Path, sizes: Qwen2MoeSizes, *, shard_bytes: int, seed: int) -> dict:
     """Write the whole folder; return the figures (bytes, shards, seconds, GB/s)."""
     out.mkdir(parents=True, exist_ok=True)
-    config = qwen2_57b_config(sizes)
+    config = qwen2_57b_config(sizes) if sizes.family == "qwen2_moe" else qwen3_30b_config(sizes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "quantize_config.json").write_text(json.dumps(config["quantization_config"], indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
@@ -318,14 +384,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="output folder (created)")
     parser.add_argument("--layers", type=int, default=None, help="number of decoder layers (default: 28)")
-    parser.add_argument("--scale", choices=("full", "small"), default="full", help="full 57B sizes or tiny ones")
+    parser.add_argument(
+        "--scale", choices=("full", "small", "qwen3-30b"), default="full", help="57B, tiny or Qwen3-30B"
+    )
     parser.add_argument("--shard-size", type=int, default=None, help="bytes per shard (default 4 GB; small: 4 MB)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    sizes = FULL if args.scale == "full" else SMALL
+    sizes = {"full": FULL, "small": SMALL, "qwen3-30b": QWEN3_30B}[args.scale]
     if args.layers is not None:
         sizes = dataclasses.replace(sizes, num_layers=args.layers)
-    shard_bytes = args.shard_size or (DEFAULT_SHARD_BYTES if args.scale == "full" else 4 << 20)
+    shard_bytes = args.shard_size or (4 << 20 if args.scale == "small" else DEFAULT_SHARD_BYTES)
     figures = write_checkpoint(args.out, sizes, shard_bytes=shard_bytes, seed=args.seed)
     print(
         f"wrote {figures['bytes'] / 1e9:.3f} GB in {figures['shards']} shards to {args.out} "

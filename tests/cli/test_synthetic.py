@@ -344,3 +344,27 @@ def test_57b_generator_small_scale_reads_back_as_valid_gptq(tmp_path: Path) -> N
     assert torch.isfinite(tensors["lm_head.weight"]).all()
     config = transformers.AutoConfig.from_pretrained(out)
     assert config.num_experts == 16 and config.shared_expert_intermediate_size == 8 * config.moe_intermediate_size
+
+
+def test_qwen3_30b_plan_has_its_shapes_and_loads_into_transformers_config() -> None:
+    """``--scale qwen3-30b`` (the end-to-end benchmark's shapes): 128 experts of 768, 32 heads of 128 over H=2048
+    with 4 KV heads, q/k norms, no shared expert, no attention bias; its config.json is a valid Qwen3-MoE config."""
+    from transformers import Qwen3MoeConfig
+
+    gen = _load_benchmark_generator()
+    specs = {spec.name: spec for spec in gen.model_specs(gen.QWEN3_30B)}
+    expected = {
+        "model.layers.47.mlp.experts.127.gate_proj.qweight": ("int32", (256, 768)),
+        "model.layers.0.mlp.experts.0.down_proj.qweight": ("int32", (96, 2048)),
+        "model.layers.0.self_attn.q_proj.qweight": ("int32", (256, 4096)),
+        "model.layers.0.self_attn.k_proj.qweight": ("int32", (256, 512)),
+        "model.layers.0.self_attn.o_proj.qweight": ("int32", (512, 2048)),
+        "model.layers.0.self_attn.q_norm.weight": ("float16", (128,)),
+        "model.layers.0.mlp.gate.weight": ("float16", (128, 2048)),
+    }
+    assert {name: (specs[name].dtype, specs[name].shape) for name in expected} == expected
+    assert not any("shared_expert" in name or name.endswith(".bias") for name in specs)
+    assert sum(name.endswith(".qweight") for name in specs) == 48 * (128 * 3 + 4)
+    config = gen.qwen3_30b_config(gen.QWEN3_30B)
+    hf = Qwen3MoeConfig(**{k: v for k, v in config.items() if k != "quantization_config"})
+    assert (hf.head_dim, hf.num_experts, hf.moe_intermediate_size, hf.num_experts_per_tok) == (128, 128, 768, 8)

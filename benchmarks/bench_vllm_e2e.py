@@ -1,0 +1,230 @@
+"""End to end on the H200: vLLM 0.26 on one synthetic GPTQ checkpoint, its own GPTQ path against ours.
+
+    python3 benchmarks/bench_vllm_e2e.py --shape qwen3-30b --layers 4      # one device call each (~5 min)
+    python3 benchmarks/bench_vllm_e2e.py --shape qwen2-57b --layers 4
+
+(after ``. .vllmgpu/install.sh`` and ``pip install --no-deps --no-build-isolation -e .``: tests/gpu/README.md).
+benchmarks/make_synthetic_57b.py writes the GPTQ source at the model's full width with ``--layers`` of its layers
+(random 4-bit words, group 128, symmetric: no quantization math), ``repack convert`` converts it, and each path
+runs in a process of its own:
+
+- ``gptq``: vLLM serves the source with its own GPTQ path (``auto_gptq``: Machete/Marlin for the dense linears,
+  ``MarlinExperts`` for the MoE, every expert repacked for Marlin at load);
+- ``repack``: vLLM serves the conversion through the plugin (nothing to repack; the MoE on our kernels).
+
+Per path: engine start-up (the ``LLM(...)`` call), weight loading (vLLM's ``load_model``, which includes
+``process_weights_after_loading``) with the peak GPU memory allocated during it, then offline ``LLM.generate``
+throughput with 1, 16, 64 and 256 concurrent requests of ``--prompt`` random prompt tokens and ``--output`` new
+tokens each (greedy, ``ignore_eos``), and the MoE share of the CUDA time of a profiled decode-heavy run at 16
+requests (kernels named for MoE: Marlin's ``marlin_moe``/``MarlinExperts`` kernels, ours). A markdown table goes to
+stdout and ``$OUT/e2e_<shape>.md``, the raw numbers to ``$OUT/e2e_<shape>.json``. ``--eager`` (the default)
+serves with ``enforce_eager=True`` on both paths; ``--cuda-graphs`` lets vLLM compile and capture instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BUDGET_S = 570  # the device tool allows 600 s a call
+START = time.monotonic()
+CONCURRENCY = (1, 16, 64, 256)
+PROFILE_REQUESTS = 16
+# Kernel-name pieces of the MoE in a profile: ours (runtime/kernels: _w13_kernel, _w2_kernel, *_decode_kernel,
+# gluon sm90 kernels, routing/align), vLLM's Marlin MoE and its routing helpers.
+MOE_KERNEL_MARKS = ("moe", "_w13_", "_w2_", "w13", "gluon", "_route_kernel", "_align_kernel", "_prepare_kernel",
+                    "topk", "marlin_moe", "expert")  # fmt: skip
+
+
+def log(*parts) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}]", *parts, flush=True)
+
+
+def build(shape: str, layers: int, work: Path) -> tuple[Path, Path]:
+    """The synthetic GPTQ source and our conversion of it."""
+    source, converted = work / f"{shape}-gptq", work / f"{shape}-repack"
+    scale = {"qwen3-30b": "qwen3-30b", "qwen2-57b": "full"}[shape]
+    started = time.monotonic()
+    subprocess.run(
+        [sys.executable, str(HERE / "make_synthetic_57b.py"), str(source), "--scale", scale, "--layers", str(layers)],
+        check=True,
+    )  # fmt: skip
+    log(f"source written in {time.monotonic() - started:.1f} s")
+    started = time.monotonic()
+    from repack.convert import convert
+
+    convert(str(source), converted, quiet=True)
+    log(f"converted in {time.monotonic() - started:.1f} s")
+    return source, converted
+
+
+# --------------------------------------------------------------------------------------------- one path (child)
+
+
+def serve_and_measure(model: Path, args: argparse.Namespace) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import base_loader
+
+    loading: dict = {}
+    original = base_loader.BaseModelLoader.load_model
+
+    def measured_load_model(self, *pargs, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        loaded = original(self, *pargs, **kwargs)
+        torch.cuda.synchronize()
+        loading.update(
+            load_s=round(time.perf_counter() - started, 2),
+            load_peak_gib=round((torch.cuda.max_memory_allocated() - before) / 2**30, 3),
+            weights_gib=round((torch.cuda.memory_allocated() - before) / 2**30, 3),
+        )
+        return loaded
+
+    base_loader.BaseModelLoader.load_model = measured_load_model
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(model),
+        tokenizer=str(model),
+        dtype="float16",
+        enforce_eager=not args.cuda_graphs,
+        max_model_len=args.prompt + args.output + 16,
+        max_num_seqs=max(CONCURRENCY),
+        max_num_batched_tokens=max(8192, args.prompt * 4),
+        gpu_memory_utilization=0.85,
+        seed=0,
+    )
+    startup_s = time.perf_counter() - started
+    config = llm.llm_engine.vllm_config
+    result = {"startup_s": round(startup_s, 1), **loading, "quantization": config.model_config.quantization}
+    vocab = config.model_config.hf_text_config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def requests(n: int) -> list[dict]:
+        return [{"prompt_token_ids": torch.randint(1, vocab, (args.prompt,), generator=generator).tolist()}
+                for _ in range(n)]  # fmt: skip
+
+    params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    llm.generate(requests(4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    throughput = {}
+    for n in CONCURRENCY:
+        batch = requests(n)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        throughput[str(n)] = {"s": round(seconds, 3), "out_tok_per_s": round(generated / seconds, 1),
+                              "req_per_s": round(n / seconds, 2)}  # fmt: skip
+        log(f"{model.name}: {n} requests: {generated} tokens in {seconds:.2f} s ({generated / seconds:.0f} tok/s)")
+    result["throughput"] = throughput
+    result["moe_share"] = profile_moe_share(llm, requests(PROFILE_REQUESTS), args)
+    return result
+
+
+def profile_moe_share(llm, batch: list[dict], args: argparse.Namespace) -> dict:
+    """CUDA time of MoE kernels over all CUDA kernels in a run of short prompts and many new tokens (mostly decode)."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    short = [{"prompt_token_ids": request["prompt_token_ids"][:8]} for request in batch]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(short, params, use_tqdm=False)
+    total, moe, top = 0.0, 0.0, {}
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if not cuda_us or event.key.startswith(("ProfilerStep", "cuda")):
+            continue
+        total += cuda_us
+        if any(mark in event.key.lower() for mark in MOE_KERNEL_MARKS):
+            moe += cuda_us
+            top[event.key[:80]] = round(cuda_us / 1e3, 2)
+    biggest = dict(sorted(top.items(), key=lambda item: -item[1])[:6])
+    return {"moe_ms": round(moe / 1e3, 2), "all_ms": round(total / 1e3, 2),
+            "share": round(moe / total, 3) if total else None, "moe_kernels_ms": biggest}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def table(shape: str, layers: int, results: dict, args: argparse.Namespace) -> str:
+    head = [f"### {shape} shapes, {layers} layers, fp16, {args.prompt} prompt + {args.output} new tokens per request"]
+    head.append("")
+    head.append(
+        "| path | start-up s | load s | peak GPU GiB in load | weights GiB | "
+        + " | ".join(f"tok/s @{n}" for n in CONCURRENCY)
+        + " | MoE share of decode CUDA time |"
+    )
+    head.append("|---" * (6 + len(CONCURRENCY)) + "|")
+    for path, r in results.items():
+        if "error" in r:
+            head.append(f"| {path} | failed: {r['error'][:300]} |")
+            continue
+        tput = " | ".join(str(r["throughput"].get(str(n), {}).get("out_tok_per_s", "-")) for n in CONCURRENCY)
+        share = r.get("moe_share", {}).get("share")
+        head.append(
+            f"| {path} ({r.get('quantization')}) | {r['startup_s']} | {r.get('load_s')} | {r.get('load_peak_gib')} | "
+            f"{r.get('weights_gib')} | {tput} | {share} |"
+        )
+    return "\n".join(head)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("qwen3-30b", "qwen2-57b"), default="qwen3-30b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--paths", default="gptq,repack")
+    parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM compile and capture (default: eager)")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "OUT_JSON"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        model, out = Path(args.child[0]), Path(args.child[1])
+        try:
+            payload = serve_and_measure(model, args)
+        except BaseException as error:
+            import traceback
+
+            traceback.print_exc()
+            payload = {"error": f"{type(error).__name__}: {error}"}
+        out.write_text(json.dumps(payload))
+        return 0
+    out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="e2e-out-"))
+    work = Path(tempfile.mkdtemp(prefix="e2e-"))
+    source, converted = build(args.shape, args.layers, work)
+    results = {}
+    for path in args.paths.split(","):
+        model = {"gptq": source, "repack": converted}[path]
+        out = work / f"{path}.json"
+        command = [sys.executable, __file__, "--child", str(model), str(out), "--prompt", str(args.prompt),
+                   "--output", str(args.output)] + (["--cuda-graphs"] if args.cuda_graphs else [])  # fmt: skip
+        log(f"path {path}: {model}")
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        left = BUDGET_S - (time.monotonic() - START)
+        try:
+            subprocess.run(command, env=env, timeout=max(left - 5, 1))
+        except subprocess.TimeoutExpired:
+            log(f"path {path}: stopped after {left:.0f} s (the call's budget)")
+        results[path] = json.loads(out.read_text()) if out.is_file() else {"error": "no result (see the log above)"}
+        log(f"path {path}: {json.dumps(results[path])}")
+    report = table(args.shape, args.layers, results, args)
+    print(report)
+    (out_dir / f"e2e_{args.shape}.md").write_text(report + "\n")
+    (out_dir / f"e2e_{args.shape}.json").write_text(json.dumps(results, indent=1))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

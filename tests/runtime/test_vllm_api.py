@@ -1,0 +1,155 @@
+"""The plugin's vLLM names, per tested version (internals.VLLM_API), without installing vLLM.
+
+CI can install one vLLM (the CPU build, 0.32): tests/vllm resolves 0.32's list against it, and the GPU script's
+preflight resolves 0.26's against the carried GPU build. Here: (1) every ``from vllm... import`` in the plugin's
+source and every internal attribute it reads through ``vllm_attribute`` is on each version's list, so the lists
+are what the plugin uses; (2) the plugin imports against stand-in ``vllm`` modules holding exactly one version's
+names (nothing more), and takes the path that version needs for its checkpoint renames (0.26 has no
+``get_checkpoint_weight_mapper``: the renames go through ``get_cache_scale_mapper``, which its loader calls at
+the same place).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import repack.runtime.integrations.vllm as plugin
+from repack.runtime.integrations.vllm.internals import VLLM_API
+
+PLUGIN_DIR = Path(plugin.__file__).parent
+REPO = Path(__file__).parents[2]
+VERSIONS = sorted(VLLM_API)
+
+
+def plugin_trees() -> list[ast.Module]:
+    return [ast.parse(path.read_text()) for path in sorted(PLUGIN_DIR.glob("*.py"))]
+
+
+def vllm_imports() -> set[str]:
+    """``module:Name`` for each ``from vllm... import Name``, ``module`` for each ``import vllm...``."""
+    found = set()
+    for tree in plugin_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+                found |= {f"{node.module}:{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "vllm"}
+    return found
+
+
+def attribute_reads() -> set[str]:
+    """The names read from vLLM objects through ``vllm_attribute(owner, "name")``."""
+    found = set()
+    for tree in plugin_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "vllm_attribute":
+                found.add(node.args[1].value)
+    return found
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=lambda v: f"{v[0]}.{v[1]}")
+def test_every_vllm_import_of_the_plugin_is_on_the_list(version):
+    assert vllm_imports(), "no vLLM import found: the scan is broken"
+    assert vllm_imports() - set(VLLM_API[version]) == set()
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=lambda v: f"{v[0]}.{v[1]}")
+def test_every_internal_attribute_the_plugin_reads_is_on_the_list(version):
+    reads = attribute_reads()
+    assert {"moe_config", "routed_scaling_factor", "e_score_correction_bias", "_layer", "_output"} <= reads
+    listed = {entry.rpartition(".")[2] for entry in VLLM_API[version] if "." in entry.partition(":")[2]}
+    assert reads - listed == set()
+
+
+@pytest.mark.parametrize(
+    ("version", "takes_hook", "cache_mapper_renames"), [((0, 26), False, True), ((0, 32), True, False)], ids=str
+)
+def test_the_plugin_imports_against_one_versions_names_and_takes_its_rename_path(
+    version, takes_hook, cache_mapper_renames
+):
+    code = f"import tests.runtime.test_vllm_api as t; t.run_against_stand_ins({version!r})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"missing": [], "takes_hook": takes_hook, "cache_mapper_renames": cache_mapper_renames}
+
+
+# ------------------------------------------------------------------------------ stand-ins (in a child process)
+
+
+class StandInWeightsMapper:
+    def __init__(self, orig_to_new_regex=None) -> None:
+        self.orig_to_new_regex = dict(orig_to_new_regex or {})
+
+    def __or__(self, other: StandInWeightsMapper) -> StandInWeightsMapper:
+        return StandInWeightsMapper({**self.orig_to_new_regex, **other.orig_to_new_regex})
+
+
+class StandInQuantizationConfig:
+    def __init__(self) -> None:
+        self.packed_modules_mapping: dict = {}
+
+    @staticmethod
+    def get_cache_scale_mapper() -> StandInWeightsMapper:
+        return StandInWeightsMapper({"kv_scale": "attn.k_scale"})
+
+
+class StandInBase:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+def install_stand_ins(version: tuple[int, int]) -> None:
+    """``vllm`` modules holding exactly the names of ``VLLM_API[version]`` (behaviour only where the plugin calls)."""
+    special = {
+        "WeightsMapper": StandInWeightsMapper,
+        "QuantizationConfig": StandInQuantizationConfig,
+        "register_quantization_config": lambda name: lambda cls: cls,
+        "register_weight_loader_v2_supported_method": lambda cls: cls,
+        "current_platform": types.SimpleNamespace(is_cpu=lambda: False),
+    }
+
+    def module(name: str) -> types.ModuleType:
+        if name not in sys.modules:
+            sys.modules[name] = types.ModuleType(name)
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(module(parent), child, sys.modules[name])
+        return sys.modules[name]
+
+    module("vllm").__version__ = f"{version[0]}.{version[1]}.0"
+    for entry in VLLM_API[version]:
+        module_name, _, path = entry.partition(":")
+        owner = module(module_name)
+        if not path:
+            continue
+        head, _, attribute = path.partition(".")
+        if not hasattr(owner, head):
+            setattr(owner, head, special.get(head) or type(head, (StandInBase,), {}))
+        if attribute and attribute not in vars(getattr(owner, head)):
+            setattr(getattr(owner, head), attribute, None)
+    # the 0.26 list must not have 0.32's hook: the stand-in base class has only what was listed
+    assert all(name in sys.modules for name in ("vllm", "vllm.model_executor.layers.quantization.base_config"))
+
+
+def run_against_stand_ins(version: tuple[int, int]) -> None:
+    install_stand_ins(version)
+    from repack.runtime.integrations.vllm import internals
+    from repack.runtime.integrations.vllm.config import RepackVllmConfig
+
+    config = RepackVllmConfig.__new__(RepackVllmConfig)  # the mapper reads only these two fields
+    config.model_type, config.gptq_methods = None, []
+    patterns = [getattr(key, "pattern", key) for key in config.get_cache_scale_mapper().orig_to_new_regex]
+    result = {
+        "missing": internals.missing_vllm_api(version),
+        "takes_hook": internals.vllm_takes_checkpoint_weight_mapper(),
+        "cache_mapper_renames": any("experts" in pattern for pattern in patterns),
+    }
+    print(json.dumps(result))
