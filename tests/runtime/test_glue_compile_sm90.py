@@ -7,8 +7,6 @@ They run in Triton's interpreter in the other tests, which accepts code the GPU 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -58,12 +56,11 @@ def _worker() -> None:
 
 @pytest.mark.slow
 def test_glue_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    from tests.support.sm90 import SM90_SHARED_LIMIT, run_compile_worker
+
+    results = run_compile_worker(__file__, timeout=600)
     assert len(results) == 5 * len(EXPERTS) + 2
-    assert all(r["shared"] <= 232448 for r in results), results  # Hopper's opt-in shared memory per block
+    assert all(r["shared"] <= SM90_SHARED_LIMIT for r in results), results
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -9,8 +9,6 @@ GPU. It runs in a subprocess because the test session sets TRITON_INTERPRET.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -158,10 +156,9 @@ def test_nvidia_backend_ships_ptxas():
 
 @pytest.mark.slow
 def test_every_config_compiles_for_sm90_within_shared_memory():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    from tests.support.sm90 import run_compile_worker
+
+    results = run_compile_worker(__file__)
     assert len(results) == sum(len(variants_of(cfg)) for cfg in all_configs())
     too_big = [r for r in results if max(r["shared"].values()) > SM90_SHARED_LIMIT]
     assert not too_big, too_big
