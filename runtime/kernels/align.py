@@ -89,7 +89,8 @@ def _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c0 in range(0, chunks, TILE_C):
         in_range = (c0 + rows)[:, None] < chunks
-        totals += tl.sum(tl.load(counts_ptr + (c0 + rows)[:, None] * BLOCK_E + experts[None, :], mask=in_range), 0)
+        tile = tl.load(counts_ptr + (c0 + rows)[:, None] * BLOCK_E + experts[None, :], mask=in_range, other=0)
+        totals += tl.sum(tile, axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(ends_ptr + experts, ends)
@@ -182,7 +183,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
     chunk = max(16, min(MAX_CHUNK, triton.next_power_of_2(num_pairs)))
-    chunks = triton.cdiv(num_pairs, chunk)
+    chunks = max(1, triton.cdiv(num_pairs, chunk))  # no pairs: one program still writes num_blocks = 0
     # One int32 scratch: per-chunk counts and cursors [chunks, BLOCK_E] each, segment ends [BLOCK_E], num_blocks [1].
     scratch = torch.empty(2 * chunks * block_e + block_e + 1, dtype=torch.int32, device=device)
     counts, cursors = scratch[: chunks * block_e], scratch[chunks * block_e : 2 * chunks * block_e]
