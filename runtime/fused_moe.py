@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from repack.formats.errors import RepackError
 from repack.runtime.kernel_config import KernelConfig, Kernels, as_kernel_config, get_config
 from repack.runtime.kernels import decode, gluon_sm90, gptq_order, weight_major
-from repack.runtime.kernels.align import align_pairs
+from repack.runtime.kernels.align import align_pairs, route_and_align
 from repack.runtime.kernels.backend import gluon_sm90_runs
 from repack.runtime.kernels.common import TL_DTYPES
+from repack.runtime.kernels.routing import route
 from repack.runtime.kernels.topk_sum import topk_sum
 from repack.runtime.weights import MoeWeights
 
@@ -143,21 +144,75 @@ def fused_moe(
     ``out`` receives the result.
     """
     _check_inputs(hidden_states, weights, topk_ids, topk_weights)
-    m, h = hidden_states.shape
-    top_k = topk_ids.shape[1]
-    device = hidden_states.device
-    dtype = hidden_states.dtype
-    if out is None:
-        out = torch.empty(m, h, dtype=dtype, device=device)
-    if m == 0:
+    out = _output(hidden_states, out)
+    if hidden_states.shape[0] == 0:
         return out
-    cfg = _config(config, weights, hidden_states, top_k)
-    cfg = cfg.fit_group(weights.group_size)
-    x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    call = _plan(hidden_states, weights, topk_ids.shape[1], config)
     ids = topk_ids.contiguous()
-    route_w = topk_weights.to(torch.float32).contiguous()
-    kernels = choose_kernels(weights, cfg, device, dtype, m * top_k)
-    if kernels is Kernels.DECODE:
+    rows = align_pairs(ids, weights.num_experts, call.block_m) if call.aligned else None
+    return _run(call, hidden_states, weights, ids, topk_weights.to(torch.float32).contiguous(), rows, out)
+
+
+def routed_moe(
+    hidden_states: torch.Tensor,
+    weights: MoeWeights,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    config: KernelConfig | Mapping | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` from router logits [M, E] (softmax top-k, renormalised if asked: kernels/routing.py):
+    where the family aligns the pairs, the routing runs inside the alignment's first launch
+    (kernels/align.py ``route_and_align``: one launch for both up to 1024 pairs), one launch fewer per call.
+    The same result as ``fused_moe(hidden_states, weights, *reversed(route(router_logits, top_k, renormalize)))``."""
+    if router_logits.dim() != 2 or router_logits.shape[0] != hidden_states.shape[0]:
+        raise RepackError(
+            f"routed_moe: router_logits {list(router_logits.shape)} must be [{hidden_states.shape[0]}, experts] "
+            "for the hidden states' tokens"
+        )
+    out = _output(hidden_states, out)
+    call = _plan(hidden_states, weights, top_k, config) if hidden_states.shape[0] else None
+    if call is not None and call.aligned:
+        route_w, ids, rows = route_and_align(router_logits, top_k, renormalize, call.block_m)
+    else:
+        (route_w, ids), rows = route(router_logits, top_k, renormalize), None
+    _check_inputs(hidden_states, weights, ids, route_w)
+    return out if call is None else _run(call, hidden_states, weights, ids, route_w, rows, out)
+
+
+def _output(hidden_states: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if out is None else out
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one call runs: the config (its Gluon tile filled in), the family, the row block of its alignment."""
+
+    config: KernelConfig
+    kernels: Kernels
+    block_m: int
+    aligned: bool  # the family works on per-expert row blocks (kernels/align.py), not one pair per program
+
+
+def _plan(hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config) -> _Call:
+    num_pairs = hidden_states.shape[0] * top_k
+    cfg = _config(config, weights, hidden_states, top_k).fit_group(weights.group_size)
+    kernels = choose_kernels(weights, cfg, hidden_states.device, hidden_states.dtype, num_pairs)
+    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # no tuned Gluon tile: the heuristic's
+        cfg = replace(cfg, gluon=gluon_sm90.heuristic(num_pairs, weights.num_experts))
+    block_m = cfg.gluon.block_m if kernels is Kernels.GLUON_SM90 else cfg.block_m
+    direct = kernels is Kernels.DECODE or (kernels is Kernels.WEIGHT_MAJOR and cfg.direct)
+    return _Call(cfg, kernels, block_m, aligned=not direct)
+
+
+def _run(call: _Call, hidden_states, weights: MoeWeights, ids, route_w, rows, out: torch.Tensor) -> torch.Tensor:
+    """The family's launches, then the top-k sum (the decode family sums in its w2)."""
+    m, h = hidden_states.shape
+    top_k, dtype, device, cfg = ids.shape[1], hidden_states.dtype, hidden_states.device, call.config
+    x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    if call.kernels is Kernels.DECODE:
         decode.run(x, weights, ids, route_w, out, cfg)
         return out
     num_pairs = m * top_k
@@ -169,14 +224,9 @@ def fused_moe(
         target = out
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)  # [P, H] one row per pair
-    direct = kernels is Kernels.WEIGHT_MAJOR and cfg.direct
-    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # no tuned Gluon tile: the heuristic's
-        cfg = replace(cfg, gluon=gluon_sm90.heuristic(num_pairs, weights.num_experts))
-    block_m = cfg.gluon.block_m if kernels is Kernels.GLUON_SM90 else cfg.block_m
-    rows = None if direct else align_pairs(ids, weights.num_experts, block_m)
-    if kernels is Kernels.GLUON_SM90:
+    if call.kernels is Kernels.GLUON_SM90:
         gluon_sm90.run(x, weights, ids, route_w, rows, inter, target, cfg)
-    elif kernels is Kernels.WEIGHT_MAJOR:
+    elif call.kernels is Kernels.WEIGHT_MAJOR:
         exact_bf16 = not BF16_SCALES_IN_WEIGHTS
         weight_major.run(x, weights, ids, route_w, rows, inter, target, cfg, exact_bf16_scales=exact_bf16)
     else:

@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from repack.formats.errors import RepackError
+from repack.runtime.kernels.routing import route_outputs, route_tokens, token_block
+
 MAX_CHUNK = 1024  # pairs one program counts and places; the chunk count (grid of steps 1 and 3) is pairs / MAX_CHUNK
 SCAN_TILE = 8192  # elements of one [chunks, E] tile in the scan program
 
@@ -60,10 +63,17 @@ def max_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _count_chunk(ids_ptr, chunk, num_pairs, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """Pairs per expert [BLOCK_E] of chunk ``chunk``; ids outside [0, E) are not counted."""
-    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+def _chunk_ids(ids_ptr, chunk, chunk_pairs, num_pairs, CHUNK: tl.constexpr):
+    """(pair indices [CHUNK], their expert ids, -1 past the chunk) of chunk ``chunk`` of ``chunk_pairs`` pairs."""
+    lanes = tl.arange(0, CHUNK)
+    pairs = chunk * chunk_pairs + lanes
+    return pairs, tl.load(ids_ptr + pairs, mask=(lanes < chunk_pairs) & (pairs < num_pairs), other=-1)
+
+
+@triton.jit
+def _count_chunk(ids_ptr, chunk, chunk_pairs, num_pairs, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Pairs per expert [BLOCK_E] of one chunk; ids outside [0, E) are not counted."""
+    _, ids = _chunk_ids(ids_ptr, chunk, chunk_pairs, num_pairs, CHUNK)
     return tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < num_experts))
 
 
@@ -122,21 +132,41 @@ def _block_experts(ends_ptr, block_experts_ptr, program, programs, max_blocks, B
 
 
 @triton.jit
-def _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, num_pairs, num_experts, BLOCK_E: tl.constexpr,
-                   CHUNK: tl.constexpr):  # fmt: skip
-    """Place chunk ``chunk``'s pairs: each takes the next slot of its (chunk, expert) cursor (one atomic)."""
-    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+def _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, chunk_pairs, num_pairs, num_experts,
+                   BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """Place one chunk's pairs: each takes the next slot of its (chunk, expert) cursor (one atomic)."""
+    pairs, ids = _chunk_ids(ids_ptr, chunk, chunk_pairs, num_pairs, CHUNK)
     placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
     slot = tl.atomic_add(cursors_ptr + chunk * BLOCK_E + ids, 1, mask=placed, sem="relaxed")
     tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, sorted_pairs_ptr, num_pairs, num_experts, total_rows,
-                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+def _route_chunk(logits_ptr, weights_ptr, ids_ptr, chunk, chunk_pairs, num_tokens, num_experts, stride_logits,
+                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr):  # fmt: skip
+    """Route the tokens of one chunk (``chunk_pairs // TOP_K`` of them), BLOCK_T at a time; the barrier makes
+    their ids visible to this program's count and scatter."""
+    chunk_tokens = chunk_pairs // TOP_K
+    first = chunk * chunk_tokens
+    end = tl.minimum(num_tokens, first + chunk_tokens)
+    for t0 in range(first, end, BLOCK_T):
+        route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, end, num_experts, stride_logits, TOP_K, RENORMALIZE,
+                     BLOCK_T, BLOCK_E)  # fmt: skip
+    tl.debug_barrier()
+
+
+@triton.jit
+def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, chunk_pairs, num_tokens, num_pairs,
+                  num_experts, total_rows, stride_logits, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  FILL: tl.constexpr):  # fmt: skip
+    """Step 1 (with ROUTE, routing this chunk's tokens first): the chunk's counts, its share of the sentinel."""
     chunk = tl.program_id(0)
-    counts = _count_chunk(ids_ptr, chunk, num_pairs, num_experts, BLOCK_E, CHUNK)
+    if ROUTE:
+        _route_chunk(logits_ptr, weights_ptr, ids_ptr, chunk, chunk_pairs, num_tokens, num_experts, stride_logits,
+                     TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
+    counts = _count_chunk(ids_ptr, chunk, chunk_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
     tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
     _fill_sentinel(sorted_pairs_ptr, chunk, tl.num_programs(0), total_rows, num_pairs, FILL)
 
@@ -148,63 +178,97 @@ def _scan_kernel(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOC
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
-                    max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+def _scatter_kernel(ids_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr, chunk_pairs, num_pairs,
+                    num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                     TILE_B: tl.constexpr):  # fmt: skip
     chunk = tl.program_id(0)
-    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, num_pairs, num_experts, BLOCK_E, CHUNK)
+    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, chunk_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
     _block_experts(ends_ptr, block_experts_ptr, chunk, tl.num_programs(0), max_blocks, BLOCK_M, BLOCK_E, TILE_B)
 
 
 @triton.jit
-def _align_one_chunk_kernel(ids_ptr, counts_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr,
-                            num_blocks_ptr, num_pairs, num_experts, total_rows, max_blocks, BLOCK_M: tl.constexpr,
+def _align_one_chunk_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr,
+                            block_experts_ptr, num_blocks_ptr, num_tokens, num_pairs, num_experts, total_rows,
+                            max_blocks, stride_logits, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
+                            RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
                             TILE_B: tl.constexpr):  # fmt: skip
-    """The three steps in one program, for calls whose pairs fit one chunk; the barriers order each step's
-    global writes before the next step's reads (one program: its own threads only)."""
-    counts = _count_chunk(ids_ptr, 0, num_pairs, num_experts, BLOCK_E, CHUNK)
+    """The three steps (with ROUTE, four) in one program, for calls whose pairs fit one chunk; the barriers order
+    each step's global writes before the next step's reads (one program: its own threads only)."""
+    if ROUTE:
+        _route_chunk(logits_ptr, weights_ptr, ids_ptr, 0, num_pairs, num_tokens, num_experts, stride_logits, TOP_K,
+                     RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
+    counts = _count_chunk(ids_ptr, 0, num_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
     tl.store(counts_ptr + tl.arange(0, BLOCK_E), counts)
     _fill_sentinel(sorted_pairs_ptr, 0, 1, total_rows, num_pairs, FILL)
     tl.debug_barrier()
     _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, 1, BLOCK_M, BLOCK_E, 1)
     tl.debug_barrier()
-    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, 0, num_pairs, num_experts, BLOCK_E, CHUNK)
+    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, 0, num_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
     _block_experts(ends_ptr, block_experts_ptr, 0, 1, max_blocks, BLOCK_M, BLOCK_E, TILE_B)
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Sort the (token, k) pairs of ``topk_ids`` [M, k] by expert into blocks of ``block_m`` rows."""
-    num_pairs = topk_ids.numel()
-    device = topk_ids.device
+def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> Alignment:
+    """Launch the alignment of the [M, k] ids ``ids``; with ``routing`` = (logits [M, E], weights [M, k],
+    renormalize), the first step routes the chunk's tokens into ``ids`` and ``weights`` first."""
+    num_tokens, top_k = ids.shape
+    num_pairs = num_tokens * top_k
+    device = ids.device
     max_blocks = max_aligned_blocks(num_pairs, num_experts, block_m)
     total_rows = max_blocks * block_m
     sorted_pairs = torch.empty(total_rows, dtype=torch.int32, device=device)
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(MAX_CHUNK, triton.next_power_of_2(num_pairs)))
-    chunks = max(1, triton.cdiv(num_pairs, chunk))  # no pairs: one program still writes num_blocks = 0
+    one_chunk = num_pairs <= MAX_CHUNK
+    chunk = max(16, triton.next_power_of_2(num_pairs)) if one_chunk else MAX_CHUNK
+    # A chunk holds whole tokens when the first step routes them (their pairs are contiguous: token * k + j).
+    chunk_pairs = num_pairs if one_chunk else (MAX_CHUNK // top_k) * top_k if routing else MAX_CHUNK
+    chunks = max(1, triton.cdiv(num_pairs, chunk_pairs))  # no pairs: one program still writes num_blocks = 0
     # One int32 scratch: per-chunk counts and cursors [chunks, BLOCK_E] each, segment ends [BLOCK_E], num_blocks [1].
     scratch = torch.empty(2 * chunks * block_e + block_e + 1, dtype=torch.int32, device=device)
     counts, cursors = scratch[: chunks * block_e], scratch[chunks * block_e : 2 * chunks * block_e]
     ends, num_blocks = scratch[2 * chunks * block_e : -1], scratch[-1:]
-    ids = topk_ids.reshape(-1)
-    sizes = dict(BLOCK_M=block_m, BLOCK_E=block_e)
+    ids_flat = ids.view(-1)
+    logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
+    route = dict(ROUTE=routing is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=token_block(num_experts))
+    sizes = dict(BLOCK_E=block_e, CHUNK=chunk)
     tile_b = max(16, SCAN_TILE // block_e)  # blocks per [blocks, E] compare tile
-    if chunks == 1:
+    stride = logits.stride(0) if routing else 0
+    if one_chunk:
         _align_one_chunk_kernel[(1,)](
-            ids, counts, cursors, ends, sorted_pairs, block_experts, num_blocks, num_pairs, num_experts, total_rows,
-            max_blocks, CHUNK=chunk, FILL=1024, TILE_B=tile_b, num_warps=4, **sizes,
+            logits, weights, ids_flat, counts, cursors, ends, sorted_pairs, block_experts, num_blocks, num_tokens,
+            num_pairs, num_experts, total_rows, max_blocks, stride, BLOCK_M=block_m, FILL=1024, TILE_B=tile_b,
+            num_warps=4, **route, **sizes,
         )  # fmt: skip
         return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
     _count_kernel[(chunks,)](
-        ids, counts, sorted_pairs, num_pairs, num_experts, total_rows, BLOCK_E=block_e, CHUNK=chunk, FILL=1024,
-        num_warps=4,
+        logits, weights, ids_flat, counts, sorted_pairs, chunk_pairs, num_tokens, num_pairs, num_experts, total_rows,
+        stride, FILL=1024, num_warps=4, **route, **sizes,
     )  # fmt: skip
     tile_c = max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
-    _scan_kernel[(1,)](counts, cursors, ends, num_blocks, chunks, TILE_C=tile_c, num_warps=4, **sizes)
+    _scan_kernel[(1,)](counts, cursors, ends, num_blocks, chunks, BLOCK_M=block_m, BLOCK_E=block_e, TILE_C=tile_c)
     _scatter_kernel[(chunks,)](
-        ids, cursors, ends, sorted_pairs, block_experts, num_pairs, num_experts, max_blocks, CHUNK=chunk,
-        TILE_B=tile_b, num_warps=4, **sizes,
+        ids_flat, cursors, ends, sorted_pairs, block_experts, chunk_pairs, num_pairs, num_experts, max_blocks,
+        BLOCK_M=block_m, TILE_B=tile_b, num_warps=4, **sizes,
     )  # fmt: skip
     return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the (token, k) pairs of ``topk_ids`` [M, k] by expert into blocks of ``block_m`` rows."""
+    return _align(topk_ids.contiguous(), num_experts, block_m)
+
+
+def route_and_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+    """:func:`routing.route` and :func:`align_pairs` in the launches of the alignment alone (one up to
+    MAX_CHUNK pairs): the first step routes its chunk's tokens, then counts their pairs.
+
+    Returns ``(topk_weights fp32 [M, k], topk_ids int32 [M, k], alignment)``, the first two as ``route`` gives them.
+    """
+    router_logits, weights, ids = route_outputs(router_logits, top_k)
+    num_experts = router_logits.shape[1]
+    if top_k > MAX_CHUNK:
+        raise RepackError(f"route_and_align: top_k={top_k} is more than one chunk of {MAX_CHUNK} pairs")
+    return weights, ids, _align(ids, num_experts, block_m, routing=(router_logits, weights.view(-1), renormalize))

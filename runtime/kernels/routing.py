@@ -16,20 +16,13 @@ from repack.formats.errors import RepackError
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    num_tokens,
-    num_experts,
-    stride_logits,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_experts, stride_logits,
+                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr):  # fmt: skip
+    """Route tokens ``first_token .. first_token + BLOCK_T`` (those below ``num_tokens``): their weights and ids
+    stored at ``token * TOP_K + k``. The routing kernel's body, and the first step of kernels/align.py's
+    routed alignment."""
+    tokens = first_token + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     valid = (tokens[:, None] < num_tokens) & (experts[None, :] < num_experts)
     logits = tl.load(
@@ -62,11 +55,16 @@ def _route_kernel(
         tl.store(ids_ptr + tokens * TOP_K + k, safe_id.to(tl.int32), mask=tokens < num_tokens)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts in fp32, top-k, optional renormalisation.
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens, num_experts,
+                 stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
 
-    Returns ``(topk_weights fp32 [M, k], topk_ids int32 [M, k])``, sorted by descending weight.
-    """
+
+def route_outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits checked (one RepackError line each) and unit-stride along E, and empty ``(weights fp32 [M, k],
+    ids int32 [M, k])`` for the routing to fill."""
     if router_logits.dim() != 2:
         raise RepackError(
             f"route: router_logits must be 2-D [tokens, experts], got shape {list(router_logits.shape)}; "
@@ -79,10 +77,25 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         router_logits = router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    return router_logits, weights, ids
+
+
+def token_block(num_experts: int) -> int:
+    """Tokens one routing step holds: about 4096 logits in registers."""
+    return max(1, min(16, 4096 // triton.next_power_of_2(num_experts)))
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts in fp32, top-k, optional renormalisation.
+
+    Returns ``(topk_weights fp32 [M, k], topk_ids int32 [M, k])``, sorted by descending weight.
+    """
+    router_logits, weights, ids = route_outputs(router_logits, top_k)
+    num_tokens, num_experts = router_logits.shape
     if num_tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(16, 4096 // block_e))
+    block_t = token_block(num_experts)
     grid = (triton.cdiv(num_tokens, block_t),)
     _route_kernel[grid](
         router_logits,

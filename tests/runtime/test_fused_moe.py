@@ -325,3 +325,37 @@ def test_k_slices_are_never_empty():
         for split in range(1, 9):
             per, slices = k_slices(k_blocks * 128, 128, split)
             assert slices <= split and (slices - 1) * per < k_blocks <= slices * per
+
+
+@pytest.mark.parametrize(
+    ("m", "top_k", "config"),
+    [
+        (3, 2, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True)),  # one program per pair: plain routing
+        (40, 2, WEIGHT_MAJOR),  # aligned, one launch routes and aligns
+        (700, 2, BIG),  # aligned over two chunks: routing inside the count step
+        (2, 2, None),  # the heuristic's pick (decode on the interpreter)
+    ],
+    ids=["direct", "aligned-one-chunk", "aligned-chunks", "heuristic"],
+)
+def test_routed_moe_is_route_then_fused_moe(device, m, top_k, config):
+    """routed_moe (routing fused into the alignment) computes what route() + fused_moe() compute, bit for bit."""
+    from repack.runtime.fused_moe import routed_moe
+    from repack.runtime.kernels.routing import route
+
+    scheme = GptqScheme(4, 128, True, "gptq")
+    weights, _ = make_stack(6, 256, 128, scheme, word_order="mma128")
+    weights = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=gen).to(torch.float16).to(device)
+    logits = torch.randn(m, 6, generator=gen).to(device)
+    ours = routed_moe(x, weights, logits, top_k, True, config=config)
+    route_w, ids = route(logits, top_k, True)
+    assert torch.equal(ours, fused_moe(x, weights, ids, route_w, config=config))
+
+
+def test_routed_moe_refuses_logits_of_other_tokens():
+    from repack.runtime.fused_moe import routed_moe
+
+    weights, _ = make_stack(4, 128, 128, GptqScheme(4, 128, True, "gptq"))
+    with pytest.raises(RepackError, match=r"router_logits \[3, 4\] must be \[2, experts\]"):
+        routed_moe(torch.zeros(2, 128, dtype=torch.float16), weights, torch.zeros(3, 4), 2, True)

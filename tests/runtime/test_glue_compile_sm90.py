@@ -37,15 +37,19 @@ def _worker() -> None:
         block_e = triton.next_power_of_2(experts)
         tile_b = max(16, align.SCAN_TILE // block_e)
         sizes = dict(BLOCK_E=block_e, CHUNK=align.MAX_CHUNK)
+        route = dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=routing.token_block(experts))
+        one_chunk = dict(BLOCK_M=16, FILL=1024, TILE_B=tile_b, **route, **sizes)
         kernels = {
-            "one_chunk": (align._align_one_chunk_kernel, dict(BLOCK_M=16, FILL=1024, TILE_B=tile_b, **sizes)),
-            "count": (align._count_kernel, dict(FILL=1024, **sizes)),
+            "one_chunk": (align._align_one_chunk_kernel, dict(one_chunk, ROUTE=False)),
+            "one_chunk routed": (align._align_one_chunk_kernel, dict(one_chunk, ROUTE=True)),
+            "count": (align._count_kernel, dict(FILL=1024, ROUTE=False, **route, **sizes)),
+            "count routed": (align._count_kernel, dict(FILL=1024, ROUTE=True, **route, **sizes)),
             "scan": (align._scan_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=align.SCAN_TILE // block_e)),
             "scatter": (align._scatter_kernel, dict(BLOCK_M=128, TILE_B=tile_b, **sizes)),
-            "route": (routing._route_kernel, dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=16, BLOCK_E=block_e)),
+            "route": (routing._route_kernel, dict(route, BLOCK_T=16, BLOCK_E=block_e)),
         }
         for name, (kernel, constexprs) in kernels.items():
-            types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32"}
+            types = {"logits_ptr": "*fp16", "weights_ptr": "*fp32"}
             compiled = _compile(kernel, constexprs, types)
             print(json.dumps({"kernel": name, "experts": experts, "shared": compiled.metadata.shared}), flush=True)
     for dtype in ("fp16", "bf16"):
@@ -59,7 +63,7 @@ def test_glue_kernels_compile_for_sm90():
     from tests.support.sm90 import SM90_SHARED_LIMIT, run_compile_worker
 
     results = run_compile_worker(__file__, timeout=600)
-    assert len(results) == 5 * len(EXPERTS) + 2
+    assert len(results) == 7 * len(EXPERTS) + 2
     assert all(r["shared"] <= SM90_SHARED_LIMIT for r in results), results
 
 

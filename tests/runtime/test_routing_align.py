@@ -103,27 +103,31 @@ ALIGN_CASES = [  # tokens, top_k, experts, block_m, routing: pairs from 1 to 327
 ]
 
 
-@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m", "kind"), ALIGN_CASES)
-def test_align_matches_a_python_reference(device, tokens, top_k, experts, block_m, kind):
-    """Single-chunk and multi-chunk alignments against the reference: the same blocks, each block the same set of
-    pairs (the order inside an expert's segment is not part of the contract: atomics place them on a GPU)."""
-    gen = torch.Generator().manual_seed(tokens * experts + block_m)
-    ids = routing(kind, tokens, top_k, experts, gen).to(torch.int32)
-    blocks, owners = reference_alignment(ids, experts, block_m)
-    a = align_pairs(ids.to(device), experts, block_m)
+def assert_aligned(a, ids: torch.Tensor, experts: int, block_m: int) -> None:
+    """``a`` against the reference: the same blocks and owners, each expert's segment exactly its pairs, then
+    sentinels (the order inside a segment is not part of the contract: atomics place the pairs on a GPU)."""
+    blocks, owners = reference_alignment(ids.cpu(), experts, block_m)
+    sentinel = ids.numel()
     num_blocks = int(a.num_blocks.cpu())
     assert num_blocks == len(blocks)
     assert a.block_experts.cpu()[:num_blocks].tolist() == owners
     assert bool((a.block_experts.cpu()[num_blocks:] == -1).all())
     got = a.sorted_pairs.cpu().view(-1, block_m)
-    for e in set(owners):  # each expert's segment holds exactly its pairs, then sentinels
+    for e in set(owners):
         rows = [b for b, owner in enumerate(owners) if owner == e]
         segment = got[rows].flatten().tolist()
-        want = [p for b in rows for p in blocks[b]]
-        assert sorted(segment) == sorted(want)
-        real = [p for p in segment if p != tokens * top_k]
+        assert sorted(segment) == sorted(p for b in rows for p in blocks[b])
+        real = [p for p in segment if p != sentinel]
         assert segment[: len(real)] == real  # the padding comes last
-    assert bool((got[num_blocks:] == tokens * top_k).all())
+    assert bool((got[num_blocks:] == sentinel).all())
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m", "kind"), ALIGN_CASES)
+def test_align_matches_a_python_reference(device, tokens, top_k, experts, block_m, kind):
+    """Single-chunk and multi-chunk alignments against the reference."""
+    gen = torch.Generator().manual_seed(tokens * experts + block_m)
+    ids = routing(kind, tokens, top_k, experts, gen).to(torch.int32)
+    assert_aligned(align_pairs(ids.to(device), experts, block_m), ids, experts, block_m)
 
 
 def test_align_skips_ids_outside_the_stack(device):
@@ -133,3 +137,19 @@ def test_align_skips_ids_outside_the_stack(device):
     assert int(a.num_blocks.cpu()) == 2
     got = a.sorted_pairs.cpu().view(-1, 16)
     assert sorted(got[0][got[0] < 6].tolist()) == [0, 5] and sorted(got[1][got[1] < 6].tolist()) == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m", "renormalize"),
+    [(3, 8, 2, 16, True), (128, 128, 8, 16, True), (300, 64, 6, 64, False), (1100, 60, 4, 128, False)],
+)
+def test_route_and_align_is_route_then_align(device, tokens, experts, top_k, block_m, renormalize):
+    """The routed alignment (one launch up to 1024 pairs, routing fused into the count step past that, with
+    chunks of whole tokens: 170 tokens of top-6) gives route()'s weights and ids and their alignment."""
+    from repack.runtime.kernels.align import route_and_align
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(torch.float16)
+    weights, ids, a = route_and_align(logits.to(device), top_k, renormalize, block_m)
+    ref_w, ref_ids = route(logits.to(device), top_k, renormalize)
+    assert torch.equal(ids.cpu(), ref_ids.cpu()) and torch.equal(weights.cpu(), ref_w.cpu())
+    assert_aligned(a, ref_ids, experts, block_m)
