@@ -1,79 +1,224 @@
-"""Probe: the glue around the GEMMs (routing, alignment, top-k sum) and the two top-k sum strategies, on a GPU.
+"""Probe: the glue around the GEMMs (routing, alignment, preparation, top-k sum), launch by launch, on a GPU.
 
-    python benchmarks/probe_glue.py [--out DIR]
+    python -m benchmarks.probe_glue [--cases qwen3-30b,...] [--ms 1,16,...] [--budget-s 150] [--out DIR]
 
-For each shape and M, in one process, CUDA-graph medians: route alone; route + align; the top-k sum of [P, H]
-rows by torch.sum and by kernels/topk_sum.py; and the whole fused_moe with the top-k sum as per-pair rows
-(``reduce="pairs"``, the default) and as fp32 atomics into [M, H] (``reduce="atomic"``). The numbers decide
-which top-k sum the default takes (benchmarks/KERNEL_NOTES.md item 17). Random routing, random weights.
+For each case (benchmarks/bench_moe.py ``CASES``) and M, in one process, the whole routed layer from router
+logits in each variant of the glue (issue 17; benchmarks/KERNEL_NOTES.md items 17 and 18):
+
+- ``route+fused``: ``route()`` then ``fused_moe`` (routing as a launch of its own, the per-pair top-k sum);
+- ``routed``: ``routed_moe``: routing inside the call's first launch (the one-program alignment up to 1024
+  pairs, the count step past that, the decode's preparation at decode), the per-pair top-k sum;
+- ``routed+atomic``: the same with fp32 atomics into [M, H] (cleared by w13 on the Gluon path) and a cast;
+- ``routed+out``: the same with fp16 atomics straight into the output (cleared by w13): no launch for the sum.
+
+Every variant of every cell is checked against a float32 reference on its first tokens (the output poisoned with
+NaN first), timed as a CUDA graph over weight copies rotated past L2 (median), and profiled launch by launch
+(benchmarks/launch_profile.py): "glue" is every launch that is not one of the two GEMMs. Compilation runs first in
+parallel worker processes (one call of every variant), so the timed process reads Triton's cache. Results go to
+``DIR/probe_glue.json`` after every cell and a markdown table at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from repack.runtime.fused_moe import fused_moe, kernel_path
-from repack.runtime.kernel_config import Kernels, get_config
-from repack.runtime.kernels import gluon_sm90
-from repack.runtime.kernels.align import align_pairs
-from repack.runtime.kernels.routing import route
-from repack.runtime.kernels.topk_sum import topk_sum
-from repack.runtime.tune import random_stack, time_graph
+from benchmarks.bench_moe import CASES, L2_BYTES, Case, copy_bandwidth, dequantize_experts, random_inputs, rel_err
+from benchmarks.launch_profile import profile_graph
 
-SHAPES = {  # name: experts, top_k, hidden, intermediate
-    "qwen3-30b": (128, 8, 2048, 768),
-    "qwen2-57b": (64, 8, 3584, 2560),
-    "dsv3": (256, 8, 7168, 2048),
-}
-MS = (16, 64, 256, 1024, 4096)
+VARIANTS = ("route+fused", "routed", "routed+atomic", "routed+out", "routed+out/one2048")
+REDUCE = {"routed+atomic": "atomic", "routed+out": "out", "routed+out/one2048": "out"}
+ONE_PROGRAM_2048 = "routed+out/one2048"  # the one-program alignment up to 2048 pairs (align.ONE_PROGRAM_PAIRS)
+DEFAULT_CASES = ("qwen3-30b", "qwen1.5-moe", "dsv2-lite", "qwen3-235b")
+DEFAULT_MS = (1, 16, 64, 256, 1024, 4096)
+CHECK_TOKENS = 32  # tokens of each call checked against the float32 reference
+GEMMS = ("w13", "w2")  # launch names that hold one of these are the GEMMs; everything else is glue
 
 
-def probe_cell(name: str, stack, top_k: int, m: int) -> dict:
-    """Every timing of one (shape, M)."""
-    e, h = stack.num_experts, stack.hidden_size
-    x = torch.randn(m, h, device="cuda").half()
-    logits = torch.randn(m, e, device="cuda")
-    rows = torch.randn(m * top_k, h, device="cuda").half()
-    out = torch.empty(m, h, device="cuda", dtype=torch.float16)
-    w, ids = route(logits, top_k, True)
-    cfg = get_config(stack, m, top_k, torch.float16, torch.device("cuda"))
-    atomic_cfg = replace(cfg, reduce="atomic")
-    gluon = cfg.gluon or gluon_sm90.heuristic(m * top_k, e)
-    block_m = gluon.block_m if kernel_path(x, stack, top_k) is Kernels.GLUON_SM90 else cfg.block_m
-    pairs, atomic = fused_moe(x, stack, ids, w), fused_moe(x, stack, ids, w, config=atomic_cfg)
+def case_by_name(name: str) -> Case:
+    return next(c for c in CASES if c.name == name)
+
+
+def variant_config(variant: str, stack, m: int, case: Case, dtype, device: str = "cuda"):
+    """The config a variant passes: None (the runtime's own choice) or its top-k sum over the heuristic tile."""
+    from repack.runtime.fused_moe import kernel_path
+    from repack.runtime.kernel_config import Kernels, get_config
+    from repack.runtime.kernels import gluon_sm90
+
+    if variant not in REDUCE:
+        return None
+    x = torch.empty(m, case.hidden, dtype=dtype, device=device)
+    cfg = get_config(stack, m, case.top_k, dtype, torch.device(device))
+    if kernel_path(x, stack, case.top_k, cfg) is Kernels.GLUON_SM90 and cfg.gluon is None:
+        cfg = replace(cfg, gluon=gluon_sm90.heuristic(m * case.top_k, case.experts))
+    return replace(cfg, reduce=REDUCE[variant])
+
+
+def step_fn(variant: str, case: Case, x, logits, stack, out, config):
+    """One call of ``variant`` writing ``out``."""
+    from repack.runtime.fused_moe import fused_moe, routed_moe
+    from repack.runtime.kernels import align
+    from repack.runtime.kernels.routing import route
+
+    if variant == "route+fused":
+        w, ids = route(logits, case.top_k, case.renormalize)
+        return fused_moe(x, stack, ids, w, out=out, config=config)
+    default = align.ONE_PROGRAM_PAIRS
+    align.ONE_PROGRAM_PAIRS = 2048 if variant == ONE_PROGRAM_2048 else default
+    try:
+        return routed_moe(x, stack, logits, case.top_k, case.renormalize, out=out, config=config)
+    finally:
+        align.ONE_PROGRAM_PAIRS = default
+
+
+def cells(cases: list[str], ms: list[int]) -> list[tuple[str, int, str]]:
+    """(case, M, variant) in measuring order; the top-k sum variants from 16 tokens up (below, the decode kernels
+    run, which sum in their w2 whatever the config says), the 2048-pair one-program alignment where it differs."""
+
+    def wanted(c: str, m: int, v: str) -> bool:
+        pairs = m * case_by_name(c).top_k
+        return (v not in REDUCE or m >= 16) and (v != ONE_PROGRAM_2048 or 1024 < pairs <= 2048)
+
+    return [(c, m, v) for c in cases for m in ms for v in VARIANTS if wanted(c, m, v)]
+
+
+def warm(jobs: list[tuple[str, int, str]]) -> int:
+    """Worker process: one call of every job (compiles into Triton's on-disk cache); the jobs it ran."""
+    from repack.runtime.tune import random_stack
+
+    done, stacks = 0, {}
+    for name, m, variant in jobs:
+        case = case_by_name(name)
+        if name not in stacks:
+            stacks = {name: random_stack(case.experts, case.hidden, case.inter, 1)[0]}
+        x, logits = random_inputs(case, torch.float16, m, "cuda")
+        out = torch.empty(m, case.hidden, dtype=torch.float16, device="cuda")
+        step_fn(variant, case, x, logits, stacks[name], out, variant_config(variant, stacks[name], m, case, x.dtype))
+        done += 1
+    torch.cuda.synchronize()
+    return done
+
+
+def reference(case: Case, x, ids, w, w13f, w2f) -> torch.Tensor:
+    """float32 [n, H] for the first n tokens: sum_j w * W2[e] (silu(W1[e] x) * W3[e] x) on dequantized experts."""
+    ref = torch.zeros(x.shape[0], case.hidden, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13f[e] @ x[t].float()
+            ref[t] += w[t, j] * (w2f[e] @ (torch.nn.functional.silu(h[: case.inter]) * h[case.inter :]))
+    return ref
+
+
+def measure(case: Case, m: int, variant: str, copies: list, w13f, w2f) -> dict:
+    from repack.runtime.fused_moe import kernel_path
+    from repack.runtime.kernels.routing import route
+    from repack.runtime.tune import time_graph
+
+    dtype = torch.float16
+    x, logits = random_inputs(case, dtype, m, "cuda")
+    config = variant_config(variant, copies[0], m, case, dtype)
+    out = torch.full((m, case.hidden), float("nan"), dtype=dtype, device="cuda")
+    step_fn(variant, case, x, logits, copies[0], out, config)
+    n = min(m, CHECK_TOKENS)
+    w, ids = route(logits[:n], case.top_k, case.renormalize)
+    err = rel_err(out[:n], reference(case, x[:n], ids, w, w13f, w2f))
+
+    def step(i: int):
+        step_fn(variant, case, x, logits, copies[i], out, config)
+
+    def replay():
+        for i in range(len(copies)):
+            step(i)
+
+    call = time_graph(replay, 50 if m <= 256 else 20) / len(copies)
+    launches = profile_graph(step, len(copies))
+    gemm = sum(r["us"] for r in launches if any(g in r["name"] for g in GEMMS))
+    busy = sum(r["us"] for r in launches)
     return dict(
-        shape=name,
+        case=case.name,
         M=m,
-        route=time_graph(lambda: route(logits, top_k, True), 50),
-        route_align=time_graph(lambda: align_pairs(route(logits, top_k, True)[1], e, block_m), 50),
-        torch_sum=time_graph(lambda: torch.sum(rows.view(m, top_k, h), dim=1, out=out), 50),
-        topk_sum=time_graph(lambda: topk_sum(rows, top_k, out), 50),
-        call_pairs=time_graph(lambda: fused_moe(x, stack, ids, w), 20),
-        call_atomic=time_graph(lambda: fused_moe(x, stack, ids, w, config=atomic_cfg), 20),
-        atomic_vs_pairs_rel=float((atomic.float() - pairs.float()).norm() / pairs.float().norm()),
+        variant=variant,
+        kernels=str(kernel_path(x, copies[0], case.top_k, config)),
+        call_us=call,
+        glue_us=busy - gemm,
+        glue_pct=100 * (busy - gemm) / call,
+        err=err,
+        launches=launches,
     )
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| case | M | variant | kernels | call us | glue us | glue % | err | launches (us per call) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        launches = "; ".join(f"{x['name']} {x['us']:.1f}" for x in r["launches"])
+        lines.append(
+            f"| {r['case']} | {r['M']} | {r['variant']} | {r['kernels']} | {r['call_us']:.1f} | {r['glue_us']:.1f} "
+            f"| {r['glue_pct']:.1f} | {r['err']:.1e} | {launches} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    parser.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
+    parser.add_argument("--budget-s", type=float, default=150.0, help="no new cell starts after this many seconds")
+    parser.add_argument("--workers", type=int, default=12, help="compile warm-up processes (0: none)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    rows = []
-    for name, (experts, top_k, hidden, inter) in SHAPES.items():
-        stack = random_stack(experts, hidden, inter, 1)[0]
-        for m in MS:
-            rows.append(probe_cell(name, stack, top_k, m))
-            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()))
-        del stack
+    start = time.time()
+    todo = cells(args.cases.split(","), [int(m) for m in args.ms.split(",")])
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.workers:
+        shares = [todo[i :: args.workers] for i in range(args.workers)]
+        try:
+            with mp.get_context("spawn").Pool(args.workers) as pool:
+                warmed = sum(pool.map(warm, [s for s in shares if s]))
+            print(f"warm-up: {warmed} calls compiled in {time.time() - start:.0f} s", flush=True)
+        except Exception as exc:  # the timed process then compiles what it needs itself
+            print(f"warm-up failed ({type(exc).__name__}: {exc}); compiling in the timed process", flush=True)
+    from repack.runtime.tune import random_stack
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth_gbs=copy_bandwidth() / 1e9)
+    rows: list[dict] = []
+    for name in dict.fromkeys(c for c, _, _ in todo):
+        if time.time() - start > args.budget_s:
+            break
+        case = case_by_name(name)
+        per_copy = 3 * case.hidden * case.inter * case.experts / 2
+        copies = random_stack(case.experts, case.hidden, case.inter, max(2, min(8, int(4 * L2_BYTES // per_copy) + 1)))
+        w13f, w2f = dequantize_experts(copies[0], list(range(case.experts)), torch.float32)
+        for _, m, variant in (cell for cell in todo if cell[0] == name):
+            if time.time() - start > args.budget_s:
+                break
+            try:
+                r = measure(case, m, variant, copies, w13f, w2f)
+            except Exception as exc:  # one broken variant must not cost the rest of the run
+                print(f"{name:12s} M={m:5d} {variant:14s} FAILED {type(exc).__name__}: {exc}", flush=True)
+                continue
+            rows.append(r)
+            print(
+                f"{name:12s} M={m:5d} {variant:14s} {r['kernels']:22s} call {r['call_us']:8.1f} glue "
+                f"{r['glue_us']:6.1f} ({r['glue_pct']:4.1f}%) err {r['err']:.1e}",
+                flush=True,
+            )
+            (out_dir / "probe_glue.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+        del copies, w13f, w2f
         torch.cuda.empty_cache()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "probe_glue.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "probe_glue.md").write_text(markdown(rows) + "\n")
+    print(f"{len(rows)} of {len(todo)} cells in {time.time() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from repack.runtime.kernels import decode, gluon_sm90, gptq_order, weight_major
 from repack.runtime.kernels.align import align_pairs, route_and_align
 from repack.runtime.kernels.backend import gluon_sm90_runs
 from repack.runtime.kernels.common import TL_DTYPES
-from repack.runtime.kernels.routing import route
+from repack.runtime.kernels.routing import route, route_outputs
 from repack.runtime.kernels.topk_sum import topk_sum
 from repack.runtime.weights import MoeWeights
 
@@ -147,7 +147,7 @@ def fused_moe(
     out = _output(hidden_states, out)
     if hidden_states.shape[0] == 0:
         return out
-    call = _plan(hidden_states, weights, topk_ids.shape[1], config)
+    call = _plan(hidden_states, weights, topk_ids.shape[1], config, out)
     ids = topk_ids.contiguous()
     rows = align_pairs(ids, weights.num_experts, call.block_m) if call.aligned else None
     return _run(call, hidden_states, weights, ids, topk_weights.to(torch.float32).contiguous(), rows, out)
@@ -163,23 +163,31 @@ def routed_moe(
     config: KernelConfig | Mapping | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``fused_moe`` from router logits [M, E] (softmax top-k, renormalised if asked: kernels/routing.py):
-    where the family aligns the pairs, the routing runs inside the alignment's first launch
-    (kernels/align.py ``route_and_align``: one launch for both up to 1024 pairs), one launch fewer per call.
+    """``fused_moe`` from router logits [M, E] (softmax top-k, renormalised if asked: kernels/routing.py), with
+    the routing inside the call's first launch: the alignment's (kernels/align.py ``route_and_align``: one
+    launch for both up to 1024 pairs) or, at decode, the activation preparation's (kernels/decode.py; not for
+    act-order stacks). One launch fewer per call than routing first.
     The same result as ``fused_moe(hidden_states, weights, *reversed(route(router_logits, top_k, renormalize)))``."""
-    if router_logits.dim() != 2 or router_logits.shape[0] != hidden_states.shape[0]:
+    m = hidden_states.shape[0]
+    if router_logits.dim() != 2 or router_logits.shape[0] != m or router_logits.shape[1] != weights.num_experts:
         raise RepackError(
-            f"routed_moe: router_logits {list(router_logits.shape)} must be [{hidden_states.shape[0]}, experts] "
-            "for the hidden states' tokens"
+            f"routed_moe: router_logits {list(router_logits.shape)} must be [{m}, {weights.num_experts}]: one row "
+            "per token, one logit per expert of the stack"
         )
     out = _output(hidden_states, out)
-    call = _plan(hidden_states, weights, top_k, config) if hidden_states.shape[0] else None
-    if call is not None and call.aligned:
+    if m == 0:
+        return out
+    call = _plan(hidden_states, weights, top_k, config, out)
+    rows = routing = None
+    if call.aligned:
         route_w, ids, rows = route_and_align(router_logits, top_k, renormalize, call.block_m)
+    elif call.kernels is Kernels.DECODE and weights.w13_perm is None:
+        logits, route_w, ids = route_outputs(router_logits, top_k)  # filled by the decode's first launch
+        routing = (logits, renormalize)
     else:
-        (route_w, ids), rows = route(router_logits, top_k, renormalize), None
+        route_w, ids = route(router_logits, top_k, renormalize)
     _check_inputs(hidden_states, weights, ids, route_w)
-    return out if call is None else _run(call, hidden_states, weights, ids, route_w, rows, out)
+    return _run(call, hidden_states, weights, ids, route_w, rows, out, routing)
 
 
 def _output(hidden_states: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -188,7 +196,8 @@ def _output(hidden_states: torch.Tensor, out: torch.Tensor | None) -> torch.Tens
 
 @dataclass(frozen=True)
 class _Call:
-    """What one call runs: the config (its Gluon tile filled in), the family, the row block of its alignment."""
+    """What one call runs: the config (its Gluon tile and top-k sum filled in), the family, the row block of its
+    alignment."""
 
     config: KernelConfig
     kernels: Kernels
@@ -196,42 +205,60 @@ class _Call:
     aligned: bool  # the family works on per-expert row blocks (kernels/align.py), not one pair per program
 
 
-def _plan(hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config) -> _Call:
+def _plan(hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config, out: torch.Tensor) -> _Call:
     num_pairs = hidden_states.shape[0] * top_k
+    dtype = hidden_states.dtype
     cfg = _config(config, weights, hidden_states, top_k).fit_group(weights.group_size)
-    kernels = choose_kernels(weights, cfg, hidden_states.device, hidden_states.dtype, num_pairs)
-    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # no tuned Gluon tile: the heuristic's
-        cfg = replace(cfg, gluon=gluon_sm90.heuristic(num_pairs, weights.num_experts))
+    kernels = choose_kernels(weights, cfg, hidden_states.device, dtype, num_pairs)
+    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # no tuned Gluon tile: the heuristic's tile and sum
+        tile = gluon_sm90.heuristic(num_pairs, weights.num_experts)
+        cfg = replace(cfg, gluon=tile, reduce=gluon_sm90.heuristic_reduce(dtype, num_pairs, weights.num_experts))
+    cfg = replace(cfg, reduce=_reduce(cfg.reduce, dtype, top_k, out))
     block_m = cfg.gluon.block_m if kernels is Kernels.GLUON_SM90 else cfg.block_m
     direct = kernels is Kernels.DECODE or (kernels is Kernels.WEIGHT_MAJOR and cfg.direct)
     return _Call(cfg, kernels, block_m, aligned=not direct)
 
 
-def _run(call: _Call, hidden_states, weights: MoeWeights, ids, route_w, rows, out: torch.Tensor) -> torch.Tensor:
-    """The family's launches, then the top-k sum (the decode family sums in its w2)."""
+def _reduce(asked: str, dtype: torch.dtype, top_k: int, out: torch.Tensor) -> str:
+    """The top-k sum a call can take: per-pair rows that are the output itself at top-1; atomics of the activation
+    dtype into ``out`` ("out") only for fp16 (eight bf16 roundings per element would cost more than the 5e-3 the
+    bf16 path is held to: fp32 atomics instead) and a contiguous ``out`` (cleared as one run of memory)."""
+    if top_k == 1:
+        return "pairs"
+    if asked == "out" and (dtype != torch.float16 or not out.is_contiguous()):
+        return "atomic"
+    return asked
+
+
+def _run(call: _Call, hidden_states, weights: MoeWeights, ids, route_w, rows, out: torch.Tensor,
+         routing: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:  # fmt: skip
+    """The family's launches, then the top-k sum (the decode family sums in its w2; with ``routing`` it also
+    routes, into ``ids`` and ``route_w``)."""
     m, h = hidden_states.shape
     top_k, dtype, device, cfg = ids.shape[1], hidden_states.dtype, hidden_states.device, call.config
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     if call.kernels is Kernels.DECODE:
-        decode.run(x, weights, ids, route_w, out, cfg)
+        decode.run(x, weights, ids, route_w, out, cfg, routing)
         return out
     num_pairs = m * top_k
     inter = torch.empty(num_pairs, weights.intermediate_size, dtype=dtype, device=device)  # [P, I]
-    atomic = cfg.reduce == "atomic"
-    if atomic:
-        target = torch.zeros(m, h, dtype=torch.float32, device=device)  # [M, H] fp32 sums
+    gluon = call.kernels is Kernels.GLUON_SM90  # its w13 clears an atomic target itself (kernels/gluon_sm90.py)
+    if cfg.reduce == "atomic":
+        target = (torch.empty if gluon else torch.zeros)(m, h, dtype=torch.float32, device=device)  # [M, H] fp32
+    elif cfg.reduce == "out":
+        target = out if gluon else out.zero_()
     elif top_k == 1 and out.is_contiguous():
         target = out
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)  # [P, H] one row per pair
-    if call.kernels is Kernels.GLUON_SM90:
+    if gluon:
         gluon_sm90.run(x, weights, ids, route_w, rows, inter, target, cfg)
     elif call.kernels is Kernels.WEIGHT_MAJOR:
         exact_bf16 = not BF16_SCALES_IN_WEIGHTS
         weight_major.run(x, weights, ids, route_w, rows, inter, target, cfg, exact_bf16_scales=exact_bf16)
     else:
         gptq_order.run(x, weights, ids, route_w, rows, inter, target, cfg)
-    if atomic:
+    if cfg.reduce == "atomic":
         out.copy_(target)
     elif target is not out:
         topk_sum(target, top_k, out)  # [M * T, H] -> [M, H]

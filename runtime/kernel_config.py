@@ -109,6 +109,9 @@ class GluonTile:
         return values
 
 
+REDUCE_MODES = ("pairs", "atomic", "out")  # KernelConfig.reduce
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """One fused-MoE kernel config, typed. JSON tables and ``fused_moe(config=...)`` dicts use the Triton-style
@@ -128,7 +131,10 @@ class KernelConfig:
     split_k: int = 1  # DECODE: slices of K per (pair, tile), meeting in fp32 sums
     quant_ahead: bool = False  # WEIGHT_MAJOR: scales and zeros loaded one K step ahead
     # tuning-only: no shipped table (runtime/configs/) sets these to anything but the default; tune.py searches them
-    reduce: str = "pairs"  # tensor cores: the top-k sum as a torch sum of per-pair rows, or "atomic" fp32 adds
+    # tensor cores, the top-k sum: per-pair rows summed by kernels/topk_sum.py ("pairs"), fp32 atomics into a
+    # zeroed [M, H] buffer cast at the end ("atomic"), or atomics of the activation dtype straight into the
+    # zeroed output ("out": no launch for the sum at all; fp16 only, KERNEL_NOTES item 18)
+    reduce: str = "pairs"
     prefetch: int = 1  # DECODE: K blocks of weights loaded ahead (1 or 2)
     nibble_dots: bool = False  # GPTQ_ORDER: one dot per nibble position instead of an unpacking reshape
     # the Gluon sm_90 kernels (runtime/kernels/gluon_sm90.py): with this tile where they can run; or, ``portable``,
@@ -141,8 +147,8 @@ class KernelConfig:
             raise RepackError("kernel config: the Gluon kernels are asked for with a GLUON tile beside a tl family")
         if self.kernels is Kernels.DECODE and not self.direct:
             raise RepackError("kernel config: the decode kernels run one program per pair; set DIRECT")
-        if self.reduce not in ("pairs", "atomic"):
-            raise RepackError(f"kernel config: REDUCE must be 'pairs' or 'atomic', not {self.reduce!r}")
+        if self.reduce not in REDUCE_MODES:
+            raise RepackError(f"kernel config: REDUCE must be one of {', '.join(REDUCE_MODES)}, not {self.reduce!r}")
         if self.prefetch not in (1, 2):
             raise RepackError(f"kernel config: PREFETCH must be 1 or 2, not {self.prefetch!r}")
         if self.portable and self.gluon is not None:

@@ -193,8 +193,30 @@ class MoeBlock(nn.Module):
             )
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()
+        if self._routes_in_kernel(x):
+            return self._routed_in_kernel(x).reshape(shape)
         topk_weights, topk_ids = self.route(x)
         return self.apply_experts(x, topk_weights, topk_ids).reshape(shape)
+
+    def _joins(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` tokens runs the routed experts and the shared chunks as one stack."""
+        return self.joined is not None and (self.shared_mode == JOINED or tokens <= JOINED_MAX_TOKENS)
+
+    def _routes_in_kernel(self, x: torch.Tensor) -> bool:
+        """Softmax top-k over the routed stack alone: the kernels route inside their first launch
+        (fused_moe.routed_moe), one launch fewer than routing first. A joined call needs the shared chunks' ids
+        beside the routed ones, and the other routers run in torch."""
+        return self.spec.method == SOFTMAX_TOPK and self.router_weight is not None and not self._joins(x.shape[0])
+
+    def _routed_in_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        from repack.runtime.fused_moe import fused_moe, routed_moe
+
+        logits = F.linear(x, self._as("gate", self.router_weight, x.dtype))
+        out = routed_moe(x, self.routed, logits, self.spec.top_k, self.spec.renormalize)
+        if self.shared is None:
+            return out
+        shared_ids = self.shared_ids(x.shape[0], 0, x.device)
+        return out + fused_moe(x, self.shared, shared_ids, self.shared_weights(x))
 
     def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """[M, H]: the routed experts' weighted sum plus the shared expert for tokens ``x`` [M, H] routed to
@@ -210,7 +232,7 @@ class MoeBlock(nn.Module):
         one the shared call's output apart (a serving stack that adds the shared expert itself takes it so)."""
         from repack.runtime.fused_moe import fused_moe
 
-        if self.joined is not None and (self.shared_mode == JOINED or x.shape[0] <= JOINED_MAX_TOKENS):
+        if self._joins(x.shape[0]):
             return fused_moe(x, self.joined, *self.with_shared_chunks(x, topk_ids, topk_weights)), None
         out = fused_moe(x, self.routed, topk_ids, topk_weights)
         if self.shared is None:

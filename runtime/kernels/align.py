@@ -19,8 +19,13 @@ cut into chunks of up to MAX_CHUNK, one program each, and the work is O(pairs + 
 
 The order of the pairs inside a segment is the order the atomics land in: not fixed on a GPU, the pair order
 in Triton's interpreter. No result depends on it: every GEMM row is its pair's own dot products, and the top-k
-sum reads the rows back by pair index. When every pair fits one chunk (decode-sized calls) one program runs the
-three steps back to back: a single launch.
+sum reads the rows back by pair index.
+
+Up to MAX_CHUNK pairs one program (``_one_program_kernel``) does it all with the counts, segment ends and block
+owners in registers: one barrier and one atomic per pair after the ids are loaded, where the three steps pass
+through memory three times. Given router logits (``route_and_align``), the first launch also routes: the one
+program routes every token before it counts; past MAX_CHUNK pairs each count program routes one routing step's
+tokens (its chunk), as the routing kernel's own grid would. Either way routing costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import triton
 import triton.language as tl
 
 from repack.formats.errors import RepackError
-from repack.runtime.kernels.routing import route_outputs, route_tokens, token_block
+from repack.runtime.kernels.routing import route_outputs, route_tokens
 
 MAX_CHUNK = 1024  # pairs one program counts and places; the chunk count (grid of steps 1 and 3) is pairs / MAX_CHUNK
 SCAN_TILE = 8192  # elements of one [chunks, E] tile in the scan program
@@ -143,8 +148,8 @@ def _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, chunk_pairs, n
 
 @triton.jit
 def _route_chunk(logits_ptr, weights_ptr, ids_ptr, chunk, chunk_pairs, num_tokens, num_experts, stride_logits,
-                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_E: tl.constexpr):  # fmt: skip
+                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
     """Route the tokens of one chunk (``chunk_pairs // TOP_K`` of them), BLOCK_T at a time; the barrier makes
     their ids visible to this program's count and scatter."""
     chunk_tokens = chunk_pairs // TOP_K
@@ -152,20 +157,20 @@ def _route_chunk(logits_ptr, weights_ptr, ids_ptr, chunk, chunk_pairs, num_token
     end = tl.minimum(num_tokens, first + chunk_tokens)
     for t0 in range(first, end, BLOCK_T):
         route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, end, num_experts, stride_logits, TOP_K, RENORMALIZE,
-                     BLOCK_T, BLOCK_E)  # fmt: skip
+                     BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
     tl.debug_barrier()
 
 
 @triton.jit
 def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, chunk_pairs, num_tokens, num_pairs,
                   num_experts, total_rows, stride_logits, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                  FILL: tl.constexpr):  # fmt: skip
+                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  CHUNK: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
     """Step 1 (with ROUTE, routing this chunk's tokens first): the chunk's counts, its share of the sentinel."""
     chunk = tl.program_id(0)
     if ROUTE:
         _route_chunk(logits_ptr, weights_ptr, ids_ptr, chunk, chunk_pairs, num_tokens, num_experts, stride_logits,
-                     TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
+                     TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
     counts = _count_chunk(ids_ptr, chunk, chunk_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
     tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
     _fill_sentinel(sorted_pairs_ptr, chunk, tl.num_programs(0), total_rows, num_pairs, FILL)
@@ -187,30 +192,56 @@ def _scatter_kernel(ids_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_expe
 
 
 @triton.jit
-def _align_one_chunk_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr,
-                            block_experts_ptr, num_blocks_ptr, num_tokens, num_pairs, num_experts, total_rows,
-                            max_blocks, stride_logits, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
-                            RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-                            TILE_B: tl.constexpr):  # fmt: skip
-    """The three steps (with ROUTE, four) in one program, for calls whose pairs fit one chunk; the barriers order
-    each step's global writes before the next step's reads (one program: its own threads only)."""
+def _one_program_kernel(logits_ptr, weights_ptr, ids_ptr, cursors_ptr, sorted_pairs_ptr, block_experts_ptr,
+                        num_blocks_ptr, num_tokens, num_experts, total_rows, max_blocks, stride_logits,
+                        ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PAIRS: tl.constexpr,
+                        FILL: tl.constexpr, TILE_B: tl.constexpr):  # fmt: skip
+    """Routing (with ROUTE) and the whole alignment in one program, for calls of up to MAX_CHUNK pairs.
+
+    The counts, segment ends and block owners stay in registers: the only global round trips after the ids are
+    one barrier (the cursors, stored as the segment starts, visible to every thread) and one atomic per pair.
+    The multi-program steps would pass them through memory three times (KERNEL_NOTES item 18)."""
+    num_pairs = num_tokens * TOP_K
     if ROUTE:
-        _route_chunk(logits_ptr, weights_ptr, ids_ptr, 0, num_pairs, num_tokens, num_experts, stride_logits, TOP_K,
-                     RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
-    counts = _count_chunk(ids_ptr, 0, num_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
-    tl.store(counts_ptr + tl.arange(0, BLOCK_E), counts)
-    _fill_sentinel(sorted_pairs_ptr, 0, 1, total_rows, num_pairs, FILL)
-    tl.debug_barrier()
-    _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, 1, BLOCK_M, BLOCK_E, 1)
-    tl.debug_barrier()
-    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, 0, num_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
-    _block_experts(ends_ptr, block_experts_ptr, 0, 1, max_blocks, BLOCK_M, BLOCK_E, TILE_B)
+        for t0 in range(0, num_tokens, BLOCK_T):
+            route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, stride_logits, TOP_K,
+                         RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
+        tl.debug_barrier()  # the ids this program stored, visible to all of its threads
+    pairs = tl.arange(0, PAIRS)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
+    counts = tl.histogram(ids, BLOCK_E, mask=placed)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    used = tl.sum(padded, axis=0)
+    tl.store(num_blocks_ptr, used // BLOCK_M)
+    tl.store(cursors_ptr + tl.arange(0, BLOCK_E), starts)
+    # The sentinel where no pair goes: each segment's padding (under BLOCK_M rows), then every row past the last.
+    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_pairs_ptr + pad, tl.full(pad.shape, 0, tl.int32) + num_pairs, mask=pad < ends[:, None])
+    lanes = tl.arange(0, FILL)
+    for r0 in range(used, total_rows, FILL):
+        tl.store(sorted_pairs_ptr + r0 + lanes, tl.full([FILL], 0, tl.int32) + num_pairs, mask=r0 + lanes < total_rows)
+    blocks = tl.arange(0, TILE_B)
+    for b0 in range(0, max_blocks, TILE_B):
+        first_row = (b0 + blocks) * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + b0 + blocks, tl.where(first_row < used, owner, -1), mask=b0 + blocks < max_blocks)
+    tl.debug_barrier()  # every cursor stored before any thread's atomic reads it
+    slot = tl.atomic_add(cursors_ptr + ids, 1, mask=placed, sem="relaxed")
+    tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
+
+
+def routing_token_block(num_experts: int) -> int:
+    """Tokens one in-kernel routing step holds inside the alignment: about 4096 logits, up to 64 tokens."""
+    return max(1, min(64, 4096 // triton.next_power_of_2(num_experts)))
 
 
 def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> Alignment:
     """Launch the alignment of the [M, k] ids ``ids``; with ``routing`` = (logits [M, E], weights [M, k],
-    renormalize), the first step routes the chunk's tokens into ``ids`` and ``weights`` first."""
+    renormalize), the first step routes the tokens into ``ids`` and ``weights`` first."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     device = ids.device
@@ -219,37 +250,42 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     sorted_pairs = torch.empty(total_rows, dtype=torch.int32, device=device)
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
-    one_chunk = num_pairs <= MAX_CHUNK
-    chunk = max(16, triton.next_power_of_2(num_pairs)) if one_chunk else MAX_CHUNK
-    # A chunk holds whole tokens when the first step routes them (their pairs are contiguous: token * k + j).
-    chunk_pairs = num_pairs if one_chunk else (MAX_CHUNK // top_k) * top_k if routing else MAX_CHUNK
-    chunks = max(1, triton.cdiv(num_pairs, chunk_pairs))  # no pairs: one program still writes num_blocks = 0
+    ids_flat = ids.view(-1)
+    logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
+    stride = logits.stride(0) if routing else 0
+    route_t = routing_token_block(num_experts)
+    route = dict(ROUTE=routing is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
+                 BLOCK_K=triton.next_power_of_2(top_k))  # fmt: skip
+    tile_b = max(16, SCAN_TILE // block_e)  # blocks per [blocks, E] compare tile
+    if num_pairs <= MAX_CHUNK:
+        scratch = torch.empty(block_e + 1, dtype=torch.int32, device=device)  # cursors [BLOCK_E], num_blocks [1]
+        pairs = max(16, triton.next_power_of_2(num_pairs))
+        _one_program_kernel[(1,)](
+            logits, weights, ids_flat, scratch, sorted_pairs, block_experts, scratch[-1:], num_tokens, num_experts,
+            total_rows, max_blocks, stride, BLOCK_T=min(route_t, triton.next_power_of_2(num_tokens)),
+            BLOCK_M=block_m, PAIRS=pairs, FILL=1024, TILE_B=tile_b, num_warps=8 if pairs >= 512 else 4, **route,
+        )  # fmt: skip
+        return Alignment(sorted_pairs, block_experts, scratch[-1:], block_m)
+    # A chunk holds whole tokens when the first step routes them (their pairs are contiguous: token * k + j):
+    # one routing step's tokens, so routing runs as parallel as the routing kernel's own grid.
+    chunk_pairs = route_t * top_k if routing else MAX_CHUNK
+    chunk = triton.next_power_of_2(chunk_pairs)
+    chunks = triton.cdiv(num_pairs, chunk_pairs)
     # One int32 scratch: per-chunk counts and cursors [chunks, BLOCK_E] each, segment ends [BLOCK_E], num_blocks [1].
     scratch = torch.empty(2 * chunks * block_e + block_e + 1, dtype=torch.int32, device=device)
     counts, cursors = scratch[: chunks * block_e], scratch[chunks * block_e : 2 * chunks * block_e]
     ends, num_blocks = scratch[2 * chunks * block_e : -1], scratch[-1:]
-    ids_flat = ids.view(-1)
-    logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
-    route = dict(ROUTE=routing is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=token_block(num_experts))
-    sizes = dict(BLOCK_E=block_e, CHUNK=chunk)
-    tile_b = max(16, SCAN_TILE // block_e)  # blocks per [blocks, E] compare tile
-    stride = logits.stride(0) if routing else 0
-    if one_chunk:
-        _align_one_chunk_kernel[(1,)](
-            logits, weights, ids_flat, counts, cursors, ends, sorted_pairs, block_experts, num_blocks, num_tokens,
-            num_pairs, num_experts, total_rows, max_blocks, stride, BLOCK_M=block_m, FILL=1024, TILE_B=tile_b,
-            num_warps=4, **route, **sizes,
-        )  # fmt: skip
-        return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
     _count_kernel[(chunks,)](
         logits, weights, ids_flat, counts, sorted_pairs, chunk_pairs, num_tokens, num_pairs, num_experts, total_rows,
-        stride, FILL=1024, num_warps=4, **route, **sizes,
+        stride, BLOCK_T=route_t, CHUNK=chunk, FILL=1024, num_warps=8 if routing else 4, **route,
     )  # fmt: skip
     tile_c = max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
-    _scan_kernel[(1,)](counts, cursors, ends, num_blocks, chunks, BLOCK_M=block_m, BLOCK_E=block_e, TILE_C=tile_c)
+    _scan_kernel[(1,)](
+        counts, cursors, ends, num_blocks, chunks, BLOCK_M=block_m, BLOCK_E=block_e, TILE_C=tile_c, num_warps=8
+    )  # fmt: skip
     _scatter_kernel[(chunks,)](
         ids_flat, cursors, ends, sorted_pairs, block_experts, chunk_pairs, num_pairs, num_experts, max_blocks,
-        BLOCK_M=block_m, TILE_B=tile_b, num_warps=4, **sizes,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, TILE_B=tile_b, num_warps=4,
     )  # fmt: skip
     return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from repack.runtime.kernel_config import KernelConfig
 from repack.runtime.kernels.common import TL_DTYPES, expert_of, projection_args, quant_params, word_mask
+from repack.runtime.kernels.routing import route_tokens
 from repack.runtime.weights import MoeWeights
 
 FP32_TWO_POW_23 = 0x4B000000  # fp32 bits of 2^23: OR-ed with a field below bit 23, the float is 2^23 + field
@@ -168,17 +169,25 @@ def _field_major_slot(n, BITS: tl.constexpr, MMA_ORDER: tl.constexpr, BLOCK_K: t
 @triton.jit
 def _prepare_kernel(
     # pointers
-    x_ptr, perm_ptr, topk_ids_ptr, xp_ptr, scratch_ptr,
+    x_ptr, perm_ptr, topk_ids_ptr, xp_ptr, scratch_ptr, logits_ptr, topk_weights_ptr,
     # sizes and the activations' row stride
-    num_experts, K, k_pad, stride_x, scratch_len, zero_span,
+    num_experts, K, k_pad, stride_x, scratch_len, zero_span, stride_logits,
     # the stack and the tile
     TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    # routing in this launch (ROUTE, never with HAS_PERM: act-order rows need their ids first)
+    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
 ):  # fmt: skip
     """One K block of one prepared row (a token, or a pair under act-order, whose expert's permutation gathers
-    it), then this program's share of the zeroed scratch: both jobs of the decode's first launch."""
+    it), then this program's share of the zeroed scratch: both jobs of the decode's first launch. With ROUTE the
+    first K block's program of each token also routes it (kernels/routing.py), so w13 finds its ids: routing
+    costs decode no launch of its own."""
     row = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
+    if ROUTE:  # noqa: SIM102 (a constexpr: without it the routing is not compiled at all)
+        if tl.program_id(1) == 0:
+            route_tokens(logits_ptr, topk_weights_ptr, topk_ids_ptr, row, row + 1, num_experts, stride_logits,
+                         TOP_K, RENORMALIZE, 1, BLOCK_E, BLOCK_TOP_K)  # fmt: skip
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_w = tl.arange(0, WORDS)
@@ -434,8 +443,11 @@ def run(
     topk_weights: torch.Tensor,  # [M, T] fp32
     out: torch.Tensor,  # [M, H] activation dtype: the result, written by w2
     config: KernelConfig,
+    routing: tuple[torch.Tensor, bool] | None = None,  # (router logits [M, E] unit stride along E, renormalize)
 ) -> None:
     """The decode path: prepare (activations + zeroed scratch) -> w13 -> w2 straight into ``out``: three launches.
+    With ``routing`` the prepare launch also routes every token into ``topk_ids`` and ``topk_weights`` (not with
+    an act-order stack, whose prepared rows need the ids first).
 
     From ``config``: block_n, block_k (128 on mma128 stacks: one word-order block per step), num_warps,
     num_stages, prefetch (K blocks loaded ahead, 1 or 2) and split_k (slices of K per (pair, tile): more
@@ -456,22 +468,32 @@ def run(
     blocks = k_pad // block_k
     zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
     order = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
+    if routing is not None and has_perm:
+        raise ValueError("decode.run: routing inside the prepare launch needs a stack without act-order")
+    logits, renormalize = routing if routing is not None else (x, False)  # logits unread without ROUTE
     _prepare_kernel[(rows, blocks)](
         x_ptr=x,
         perm_ptr=weights.w13_perm if has_perm else topk_ids,
         topk_ids_ptr=topk_ids,
         xp_ptr=xp,
         scratch_ptr=scratch.buffer,
+        logits_ptr=logits,
+        topk_weights_ptr=topk_weights,
         num_experts=weights.num_experts,
         K=h,
         k_pad=k_pad,
         scratch_len=scratch.zeroed_len,
         zero_span=zero_span,
         stride_x=x.stride(0),
+        stride_logits=logits.stride(0),
         TOP_K=top_k,
         BITS=weights.bits,
         HAS_PERM=has_perm,
         ZERO_BLOCK=256,
+        ROUTE=routing is not None,
+        RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(weights.num_experts),
+        BLOCK_TOP_K=triton.next_power_of_2(top_k),
         num_warps=1,
         **order,
     )

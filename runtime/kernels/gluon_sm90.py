@@ -80,6 +80,11 @@ def heuristic(num_pairs: int, num_experts: int) -> GluonTile:
     return GluonTile(128, 128, 8, 4, 8)
 
 
+def heuristic_reduce(dtype: torch.dtype, num_pairs: int, num_experts: int) -> str:
+    """The top-k sum beside the heuristic's tile (runtime/kernel_config.py ``reduce``)."""
+    return "pairs"
+
+
 def preferred(weights: MoeWeights, dtype: torch.dtype, num_pairs: int) -> bool:
     """Whether these kernels beat the tl weight-major ones on an aligned call, as measured on the H200
     (benchmarks/KERNEL_NOTES.md item 16): fp16 always; bf16 (four more instructions per two weights) from 48
@@ -346,20 +351,34 @@ if available():
         return w_rows, gl.expand_dims(ok, 1)
 
     @gluon.jit
+    def _zero_share(ptr, numel, ZERO_BLOCK: gl.constexpr, ZERO_LAYOUT: gl.constexpr):
+        """This program's share of ``ptr[:numel]`` set to zero: w13 clears the output that w2 then adds the top-k
+        into (``reduce="out"``), so the sum costs no launch of its own. Every program takes part, live or not."""
+        span = gl.cdiv(gl.cdiv(numel, gl.num_programs(0)), ZERO_BLOCK) * ZERO_BLOCK
+        start = gl.program_id(0) * span
+        end = gl.minimum(numel, start + span)
+        offs = gl.arange(0, ZERO_BLOCK, layout=ZERO_LAYOUT)
+        for z in range(start, end, ZERO_BLOCK):
+            idx = z + offs
+            gl.store(ptr + idx, gl.zeros([ZERO_BLOCK], ptr.dtype.element_ty, ZERO_LAYOUT), mask=idx < end)
+
+    @gluon.jit
     def _w13_kernel(
         x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
-        sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
-        num_pairs, num_pid_m, N, K,
+        sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, zero_ptr,
+        num_pairs, num_pid_m, N, K, zero_numel,
         stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         HAS_PERM: gl.constexpr, X_PARTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        GROUP_M: gl.constexpr,
+        GROUP_M: gl.constexpr, ZERO_OUT: gl.constexpr, ZERO_BLOCK: gl.constexpr, ZERO_LAYOUT: gl.constexpr,
         WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
         X_SMEM_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
         W_SMEM_LAYOUT: gl.constexpr,
     ):  # fmt: skip
         """inter[pair, n] = silu(gate_n . x) * (up_n . x): gate rows then up rows of BLOCK_N channels form one
-        A tile of 2 * BLOCK_N rows, split by the epilogue."""
+        A tile of 2 * BLOCK_N rows, split by the epilogue. With ZERO_OUT, also ``zero_ptr[:zero_numel] = 0``."""
+        if ZERO_OUT:
+            _zero_share(zero_ptr, zero_numel, ZERO_BLOCK, ZERO_LAYOUT)
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
                                                    num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M, X_LAYOUT, X_PARTS)  # fmt: skip
@@ -422,7 +441,9 @@ if available():
             mask = gl.expand_dims(offs_n < N, 1) & live_pairs
             if ATOMIC:
                 tokens = (out_pairs // TOP_K).to(gl.int64)
-                gl.atomic_add(out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1), acc, mask=mask)
+                # relaxed: the default acq_rel put a MEMBAR.GPU before every vector add (KERNEL_NOTES item 18)
+                ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
+                gl.atomic_add(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
             else:
                 ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
                 gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -439,11 +460,13 @@ def supports(weights: MoeWeights) -> bool:
 
 
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,
-                     has_perm: bool = False, atomic: bool = False) -> dict:  # fmt: skip
+                     has_perm: bool = False, atomic: bool = False, zero_out: bool = False) -> dict:  # fmt: skip
     """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`run` launches and
     the CPU compile test (tests/runtime/test_gluon_compile_sm90.py) builds."""
     block_n, rows = (tile.block_n, 2 * tile.block_n) if kernel == "w13" else (tile.w2_rows, tile.w2_rows)
-    flags = dict(HAS_PERM=has_perm) if kernel == "w13" else dict(ATOMIC=atomic)
+    zero_block = 8 * 32 * tile.warps  # 16-byte stores of fp16, one per thread per step
+    zero = dict(ZERO_OUT=zero_out, ZERO_BLOCK=zero_block, ZERO_LAYOUT=gl.BlockedLayout([8], [32], [tile.warps], [0]))
+    flags = dict(HAS_PERM=has_perm, **zero) if kernel == "w13" else dict(ATOMIC=atomic)
     return dict(
         flags,
         TOP_K=top_k,
@@ -467,7 +490,7 @@ def run(
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment,  # pairs sorted by expert into blocks of config.gluon.block_m
     inter: torch.Tensor,  # [P, I] activation dtype: w13's output, w2's input
-    target: torch.Tensor,  # [P, H] activation dtype, or [M, H] fp32 with config.reduce == "atomic"
+    target: torch.Tensor,  # [P, H] activation dtype ("pairs"), else [M, H] added to: fp32 ("atomic") or out ("out")
     config: KernelConfig,  # its ``gluon`` tile (set) and ``reduce``; the tl tile is not read
 ) -> None:
     """w13 then w2 over the aligned token blocks ``rows``: ``inter`` receives ``silu(gate) * up``, ``target`` the
@@ -475,7 +498,7 @@ def run(
     tile = config.gluon
     if tile is None or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_sm90.run: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
-    route_w, top_k, atomic = topk_weights, topk_ids.shape[1], config.reduce == "atomic"
+    route_w, top_k, atomic = topk_weights, topk_ids.shape[1], config.reduce != "pairs"
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     num_pid_m = rows.max_blocks
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
@@ -485,11 +508,13 @@ def run(
     w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
     row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
     grid13 = (num_pid_m * triton.cdiv(n_inter, tile.block_n),)
+    zero_out = atomic  # w13 clears the [M, H] target w2 adds into (contiguous: fused_moe makes sure)
     _w13_kernel[grid13](
-        x, w13, s13, zeros13, perm, inter, *row_args, n_inter, h,
+        x, w13, s13, zeros13, perm, inter, *row_args[:3], target, *row_args[3:], n_inter, h,
+        target.numel() if zero_out else 0,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
         **launch_constants(tile, "w13", top_k=top_k, group_len=weights.group_len(h), has_zeros=has_zeros,
-                           has_perm=has_perm),
+                           has_perm=has_perm, zero_out=zero_out),
     )  # fmt: skip
     grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](

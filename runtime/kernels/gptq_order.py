@@ -314,7 +314,8 @@ def _w2_kernel(
     mask = row_mask[:, None] & n_mask[None, :]
     if ATOMIC:
         tokens = (pairs // TOP_K).to(tl.int64)
-        tl.atomic_add(out_ptr + tokens[:, None] * stride_out + offs_n[None, :], acc, mask=mask)
+        tl.atomic_add(out_ptr + tokens[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                      mask=mask, sem="relaxed")  # fmt: skip
     else:
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :], acc.to(ACT_DTYPE), mask=mask)
 
@@ -332,7 +333,7 @@ def run(
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment,  # pairs sorted by expert into blocks of config.block_m
     inter: torch.Tensor,  # [P, I] activation dtype: w13's output, w2's input
-    target: torch.Tensor,  # [P, H] activation dtype, or [M, H] fp32 with config.reduce == "atomic"
+    target: torch.Tensor,  # [P, H] activation dtype ("pairs"), else [M, H] added to: fp32 ("atomic") or out ("out")
     config: KernelConfig,
 ) -> None:
     """w13 then w2 over the aligned blocks: ``target`` gets each pair's weighted row (or the token's atomic sum)."""
@@ -366,7 +367,7 @@ def run(
     args2.update(
         inter_ptr=inter, out_ptr=target, N=h, K=n_inter, stride_inter=inter.stride(0), stride_out=target.stride(0)
     )
-    args2.update(topk_weights_ptr=topk_weights, ATOMIC=config.reduce == "atomic", group_len=weights.group_len(n_inter))
+    args2.update(topk_weights_ptr=topk_weights, ATOMIC=config.reduce != "pairs", group_len=weights.group_len(n_inter))
     meta = config.meta()
     launch_tiles(
         _w13_kernel, rows.max_blocks, n_inter, meta, x.device, **args13, **shared, EVEN_K=h % config.block_k == 0

@@ -338,7 +338,8 @@ def _w2_weight_major_kernel(
     mask = row_mask[:, None] & pair_mask[None, :]
     if ATOMIC:
         tokens = (pairs // TOP_K).to(tl.int64)
-        tl.atomic_add(out_ptr + tokens[None, :] * stride_out + rows[:, None], acc, mask=mask)
+        tl.atomic_add(out_ptr + tokens[None, :] * stride_out + rows[:, None], acc.to(out_ptr.dtype.element_ty),
+                      mask=mask, sem="relaxed")  # fmt: skip
     else:
         out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_out + rows[:, None]
         tl.store(out_ptrs, acc.to(ACT_DTYPE), mask=mask)
@@ -351,7 +352,7 @@ def run(
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment | None,  # pairs sorted by expert into blocks of config.block_m; None with config.direct
     inter: torch.Tensor,  # [P, I] activation dtype: w13's output, w2's input
-    target: torch.Tensor,  # [P, H] activation dtype, or [M, H] fp32 with config.reduce == "atomic"
+    target: torch.Tensor,  # [P, H] activation dtype ("pairs"), else [M, H] added to: fp32 ("atomic") or out ("out")
     config: KernelConfig,
     *,
     exact_bf16_scales: bool = False,
@@ -405,7 +406,7 @@ def run(
     args2.update(
         inter_ptr=inter, out_ptr=target, N=h, K=n_inter, stride_inter=inter.stride(0), stride_out=target.stride(0)
     )
-    args2.update(topk_weights_ptr=topk_weights, ATOMIC=config.reduce == "atomic")
+    args2.update(topk_weights_ptr=topk_weights, ATOMIC=config.reduce != "pairs")
     w13_kernel, w2_kernel = _w13_weight_major_kernel, _w2_weight_major_kernel
     launch_tiles(w13_kernel, num_pid_m, n_inter, meta, x.device, **args13, **shared, GROUP_LEN=weights.group_len(h))
     launch_tiles(w2_kernel, num_pid_m, h, meta, x.device, **args2, **shared, GROUP_LEN=weights.group_len(n_inter))

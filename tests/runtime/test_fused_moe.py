@@ -80,6 +80,34 @@ def test_aligned_asym_v2_act_order_g32_atomic_reduce(device):
     assert err <= 2e-3
 
 
+def test_gptq_order_adds_the_top_k_into_the_output(device):
+    """REDUCE="out": w2 adds each pair's fp16 row straight into the cleared output (no sum launch); a stale
+    output is cleared first."""
+    scheme = GptqScheme(bits=4, group_size=64, sym=True, checkpoint_format="gptq")
+    weights, sources = make_stack(8, 128, 128, scheme)
+    err = run_case(weights, sources, scheme, 40, 3, [2, 4, 6], dict(BIG, REDUCE="out"), device, seed=11)
+    assert err <= 2e-3
+
+
+def test_reduce_out_falls_back_to_fp32_atomics_where_it_cannot_run(device):
+    """bf16 (eight roundings per element) and a strided ``out`` take the fp32 atomic sum instead, bit for bit."""
+    scheme = GptqScheme(4, 128, True, "gptq")
+    weights, _ = make_stack(4, 256, 128, scheme, word_order="mma128")
+    weights = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
+    gen = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, 4, (6, 2), generator=gen).to(torch.int32).to(device)
+    route_w = torch.rand(6, 2, generator=gen).to(device)
+    x = torch.randn(6, 256, generator=gen).to(torch.float16).to(device)
+    config = dict(WEIGHT_MAJOR, REDUCE="out")
+    strided = torch.full((6, 512), float("nan"), dtype=torch.float16, device=device)[:, ::2]
+    got = fused_moe(x, weights, ids, route_w, config=config, out=strided)
+    assert torch.equal(got, fused_moe(x, weights, ids, route_w, config=dict(WEIGHT_MAJOR, REDUCE="atomic")))
+    assert not torch.isnan(strided).any()
+    xb = x.to(torch.bfloat16)
+    bf16 = fused_moe(xb, weights, ids, route_w, config=config)
+    assert torch.equal(bf16, fused_moe(xb, weights, ids, route_w, config=dict(WEIGHT_MAJOR, REDUCE="atomic")))
+
+
 def test_direct_top1_group_all_partial_k_block(device):
     # H = 192 with BLOCK_K = 128: the second K step is half masked; group -1 = one scale row over K.
     scheme = GptqScheme(bits=4, group_size=-1, sym=False, checkpoint_format="gptq")
@@ -140,8 +168,9 @@ WEIGHT_MAJOR = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
         (GptqScheme(4, 128, True, "gptq"), False, WEIGHT_MAJOR),
         (GptqScheme(4, 128, True, "gptq"), True, dict(WEIGHT_MAJOR, SCALE_ACC=False)),
         (GptqScheme(4, -1, False, "gptq_v2"), False, dict(WEIGHT_MAJOR, BLOCK_M=32, BLOCK_N=128, REDUCE="atomic")),
+        (GptqScheme(4, 128, True, "gptq"), False, dict(WEIGHT_MAJOR, REDUCE="out")),
     ],
-    ids=["sym-g128", "sym-g128-actorder-fp16-scales", "asym-per-channel-atomic"],
+    ids=["sym-g128", "sym-g128-actorder-fp16-scales", "asym-per-channel-atomic", "sym-g128-out"],
 )
 def test_weight_major_aligned(device, scheme, act_order, config):
     """The weight-major kernels: weights as the MMA's register operand, activations in nibble-major order (or
@@ -155,8 +184,9 @@ def test_weight_major_aligned(device, scheme, act_order, config):
     [
         (GptqScheme(4, 128, False, "gptq"), True, 3, 2, "pairs"),
         (GptqScheme(4, 128, True, "gptq"), False, 2, 3, "atomic"),
+        (GptqScheme(4, 128, True, "gptq"), False, 2, 3, "out"),
     ],
-    ids=["asym-actorder", "sym-atomic"],
+    ids=["asym-actorder", "sym-atomic", "sym-out"],
 )
 def test_weight_major_direct(device, scheme, act_order, m, top_k, reduce):
     """DIRECT on the weight-major kernels: one block per pair, expert from topk_ids, activations gathered."""
@@ -327,23 +357,29 @@ def test_k_slices_are_never_empty():
             assert slices <= split and (slices - 1) * per < k_blocks <= slices * per
 
 
+DECODE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True)
+
+
 @pytest.mark.parametrize(
-    ("m", "top_k", "config"),
+    ("m", "top_k", "config", "act_order"),
     [
-        (3, 2, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True)),  # one program per pair: plain routing
-        (40, 2, WEIGHT_MAJOR),  # aligned, one launch routes and aligns
-        (700, 2, BIG),  # aligned over two chunks: routing inside the count step
-        (2, 2, None),  # the heuristic's pick (decode on the interpreter)
+        (3, 2, dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True), False),  # one program per pair: plain routing
+        (40, 2, WEIGHT_MAJOR, False),  # aligned, one launch routes and aligns
+        (700, 2, BIG, False),  # aligned over many chunks: routing inside the count step
+        (3, 3, DECODE, False),  # decode: routing inside the preparation launch
+        (3, 3, DECODE, True),  # decode of an act-order stack: its rows need the ids first, so routing first
+        (2, 2, None, False),  # the heuristic's pick
     ],
-    ids=["direct", "aligned-one-chunk", "aligned-chunks", "heuristic"],
+    ids=["direct", "aligned-one-program", "aligned-chunks", "decode", "decode-actorder", "heuristic"],
 )
-def test_routed_moe_is_route_then_fused_moe(device, m, top_k, config):
-    """routed_moe (routing fused into the alignment) computes what route() + fused_moe() compute, bit for bit."""
+def test_routed_moe_is_route_then_fused_moe(device, m, top_k, config, act_order):
+    """routed_moe (routing fused into the call's first launch) computes what route() + fused_moe() compute, bit
+    for bit, and returns the same expert choices."""
     from repack.runtime.fused_moe import routed_moe
     from repack.runtime.kernels.routing import route
 
     scheme = GptqScheme(4, 128, True, "gptq")
-    weights, _ = make_stack(6, 256, 128, scheme, word_order="mma128")
+    weights, _ = make_stack(6, 256, 128, scheme, word_order="mma128", act_order=act_order)
     weights = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 256, generator=gen).to(torch.float16).to(device)
@@ -357,5 +393,7 @@ def test_routed_moe_refuses_logits_of_other_tokens():
     from repack.runtime.fused_moe import routed_moe
 
     weights, _ = make_stack(4, 128, 128, GptqScheme(4, 128, True, "gptq"))
-    with pytest.raises(RepackError, match=r"router_logits \[3, 4\] must be \[2, experts\]"):
+    with pytest.raises(RepackError, match=r"router_logits \[3, 4\] must be \[2, 4\]"):
         routed_moe(torch.zeros(2, 128, dtype=torch.float16), weights, torch.zeros(3, 4), 2, True)
+    with pytest.raises(RepackError, match=r"router_logits \[2, 5\] must be \[2, 4\]"):
+        routed_moe(torch.zeros(2, 128, dtype=torch.float16), weights, torch.zeros(2, 5), 2, True)

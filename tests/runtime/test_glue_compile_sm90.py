@@ -14,7 +14,7 @@ import pytest
 EXPERTS = (8, 60, 128, 256)
 
 
-def _compile(kernel, constexprs: dict, types: dict[str, str]):
+def _compile(kernel, constexprs: dict, types: dict[str, str], num_warps: int = 4):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -24,7 +24,7 @@ def _compile(kernel, constexprs: dict, types: dict[str, str]):
     }
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr")}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
 def _worker() -> None:
@@ -32,30 +32,39 @@ def _worker() -> None:
     import triton.language as tl
 
     from repack.runtime.kernels import align, routing, topk_sum
+    from tests.support.sm90 import ptxas_spills
 
     for experts in EXPERTS:
         block_e = triton.next_power_of_2(experts)
         tile_b = max(16, align.SCAN_TILE // block_e)
-        sizes = dict(BLOCK_E=block_e, CHUNK=align.MAX_CHUNK)
-        route = dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=routing.token_block(experts))
-        one_chunk = dict(BLOCK_M=16, FILL=1024, TILE_B=tile_b, **route, **sizes)
-        kernels = {
-            "one_chunk": (align._align_one_chunk_kernel, dict(one_chunk, ROUTE=False)),
-            "one_chunk routed": (align._align_one_chunk_kernel, dict(one_chunk, ROUTE=True)),
-            "count": (align._count_kernel, dict(FILL=1024, ROUTE=False, **route, **sizes)),
-            "count routed": (align._count_kernel, dict(FILL=1024, ROUTE=True, **route, **sizes)),
-            "scan": (align._scan_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=align.SCAN_TILE // block_e)),
-            "scatter": (align._scatter_kernel, dict(BLOCK_M=128, TILE_B=tile_b, **sizes)),
-            "route": (routing._route_kernel, dict(route, BLOCK_T=16, BLOCK_E=block_e)),
+        route_t = align.routing_token_block(experts)
+        route = dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=block_e, BLOCK_K=8)
+        one = dict(BLOCK_M=16, PAIRS=align.MAX_CHUNK, FILL=1024, TILE_B=tile_b, BLOCK_T=route_t, **route)
+        count = dict(FILL=1024, BLOCK_T=route_t, **route)
+        kernels = {  # name: kernel, constexprs, warps (as align._align launches them)
+            "one_program": (align._one_program_kernel, dict(one, ROUTE=False), 8),
+            "one_program routed": (align._one_program_kernel, dict(one, ROUTE=True), 8),
+            "count": (align._count_kernel, dict(count, ROUTE=False, CHUNK=align.MAX_CHUNK), 4),
+            "count routed": (align._count_kernel, dict(count, ROUTE=True, CHUNK=route_t * 8), 8),
+            "scan": (align._scan_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=align.SCAN_TILE // block_e), 8),
+            "scatter": (
+                align._scatter_kernel,
+                dict(BLOCK_M=128, BLOCK_E=block_e, TILE_B=tile_b, CHUNK=align.MAX_CHUNK),
+                4,
+            ),  # fmt: skip
+            "route": (routing._route_kernel, dict(route, BLOCK_T=routing.token_block(experts)), 4),
         }
-        for name, (kernel, constexprs) in kernels.items():
+        for name, (kernel, constexprs, warps) in kernels.items():
             types = {"logits_ptr": "*fp16", "weights_ptr": "*fp32"}
-            compiled = _compile(kernel, constexprs, types)
-            print(json.dumps({"kernel": name, "experts": experts, "shared": compiled.metadata.shared}), flush=True)
+            compiled = _compile(kernel, constexprs, types, warps)
+            spills = ptxas_spills(compiled.asm["ptx"])
+            line = {"kernel": name, "experts": experts, "shared": compiled.metadata.shared, "spills": spills}
+            print(json.dumps(line), flush=True)
     for dtype in ("fp16", "bf16"):
         consts = dict(TOP_K=8, OUT_DTYPE=tl.float16 if dtype == "fp16" else tl.bfloat16, BLOCK_T=2, BLOCK_H=1024)
         compiled = _compile(topk_sum._topk_sum_kernel, consts, {"rows_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"})
-        print(json.dumps({"kernel": f"topk_sum {dtype}", "shared": compiled.metadata.shared}), flush=True)
+        line = {"kernel": f"topk_sum {dtype}", "shared": compiled.metadata.shared, "spills": 0}
+        print(json.dumps(line), flush=True)
 
 
 @pytest.mark.slow
@@ -65,6 +74,7 @@ def test_glue_kernels_compile_for_sm90():
     results = run_compile_worker(__file__, timeout=600)
     assert len(results) == 7 * len(EXPERTS) + 2
     assert all(r["shared"] <= SM90_SHARED_LIMIT for r in results), results
+    assert all(r["spills"] == 0 for r in results), [r for r in results if r["spills"]]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.support.sm90 import SM90_SHARED_LIMIT
+from tests.support.sm90 import SM90_SHARED_LIMIT, ptxas_spills
 
 VARIANTS = [("float16", False), ("bfloat16", True)]  # (activation dtype, asym with act-order)
 
@@ -35,10 +35,11 @@ act, asym = sys.argv[2], sys.argv[3] == "1"
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr="*fp32", qw_ptr="*i32", scales_ptr="*fp16",
              zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",
-             block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32")
+             block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32", zero_ptr="*fp32")
 report = {}
 for name, kernel in (("w13", g._w13_kernel), ("w2", g._w2_kernel)):
-    consts = g.launch_constants(cfg, name, top_k=8, group_len=128, has_zeros=asym, has_perm=asym, atomic=True)
+    consts = g.launch_constants(cfg, name, top_k=8, group_len=128, has_zeros=asym, has_perm=asym, atomic=True,
+                                zero_out=True)
     num_warps = consts.pop("num_warps")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
@@ -62,23 +63,6 @@ def _compile(cfg, act: str, asym: bool) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _ptxas_spills(ptx: str, tmp_path) -> int:
-    """Spill bytes (stores + loads) ptxas reports for this PTX."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    src = tmp_path / "k.ptx"
-    src.write_text(ptx)
-    out = subprocess.run(
-        [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
-    assert spills, out.stderr
-    return sum(int(a) + int(b) for a, b in spills)
 
 
 def loop_waits(ptx: str) -> list[int]:
@@ -108,7 +92,7 @@ def test_loop_waits_finds_the_waits_inside_a_loop_only():
 
 
 @pytest.mark.parametrize(("act", "asym"), VARIANTS, ids=[v[0] + ("-asym-actorder" if v[1] else "") for v in VARIANTS])
-def test_shipped_and_tuned_gluon_configs_compile_for_sm90(act, asym, tmp_path):
+def test_shipped_and_tuned_gluon_configs_compile_for_sm90(act, asym):
     """Every tile the heuristic picks and every tile `repack tune` may write into a table (tune.GLUON_TILES)."""
     from repack.runtime.tune import GLUON_TILES
 
@@ -117,6 +101,9 @@ def test_shipped_and_tuned_gluon_configs_compile_for_sm90(act, asym, tmp_path):
         for name, kernel in report.items():
             where = f"{cfg} {name} {act}"
             assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
-            assert _ptxas_spills(kernel["ptx"], tmp_path) == 0, f"{where}: spills to local memory"
+            assert ptxas_spills(kernel["ptx"]) == 0, f"{where}: spills to local memory"
+            atomics = re.findall(r"\batom\.[\w.]+", kernel["ptx"])
+            assert all(".relaxed." in a for a in atomics), f"{where}: ordered atomics fence every add ({atomics})"
+            assert atomics or name == "w13", f"{where}: the atomic top-k sum has no atomics"
             waits = loop_waits(kernel["ptx"])
             assert waits and min(waits) >= 1, f"{where}: the K loop waits for every wgmma ({waits})"

@@ -11,10 +11,36 @@ def run_compile_worker(script: str, timeout: int = 900) -> list[dict]:
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[2])  # the worker imports tests.support too
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, script, "--worker"], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def ptxas_spills(ptx: str) -> int:
+    """Spill bytes (stores + loads) the ptxas of Triton's nvidia backend reports for ``ptx`` built for sm_90a."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    assert out.returncode == 0, out.stderr[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    assert spills, out.stderr
+    return sum(int(a) + int(b) for a, b in spills)
