@@ -33,6 +33,7 @@ import torch
 from repack.formats.errors import RepackError
 from repack.runtime.kernel_config import KernelConfig, Kernels, as_kernel_config, get_config
 from repack.runtime.kernels import decode, gluon_sm90, gptq_order, weight_major
+from repack.runtime.kernels.act_order import gather_act_order
 from repack.runtime.kernels.align import align_pairs, route_and_align
 from repack.runtime.kernels.backend import gluon_sm90_runs
 from repack.runtime.kernels.common import TL_DTYPES
@@ -164,9 +165,9 @@ def routed_moe(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` from router logits [M, E] (softmax top-k, renormalised if asked: kernels/routing.py), with
-    the routing inside the call's first launch: the alignment's (kernels/align.py ``route_and_align``: one
-    launch for both up to 1024 pairs) or, at decode, the activation preparation's (kernels/decode.py; not for
-    act-order stacks). One launch fewer per call than routing first.
+    the routing inside the call's first launch where that measured faster: the alignment's for up to one routing
+    step of tokens (kernels/align.py ``routes_in_alignment``: 16) and, at decode, the activation preparation's
+    (kernels/decode.py; not for act-order stacks). One launch fewer per call than routing first.
     The same result as ``fused_moe(hidden_states, weights, *reversed(route(router_logits, top_k, renormalize)))``."""
     m = hidden_states.shape[0]
     if router_logits.dim() != 2 or router_logits.shape[0] != m or router_logits.shape[1] != weights.num_experts:
@@ -212,7 +213,7 @@ def _plan(hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config, 
     kernels = choose_kernels(weights, cfg, hidden_states.device, dtype, num_pairs)
     if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # no tuned Gluon tile: the heuristic's tile and sum
         tile = gluon_sm90.heuristic(num_pairs, weights.num_experts)
-        cfg = replace(cfg, gluon=tile, reduce=gluon_sm90.heuristic_reduce(dtype, num_pairs, weights.num_experts))
+        cfg = replace(cfg, gluon=tile, reduce=gluon_sm90.heuristic_reduce(dtype))
     cfg = replace(cfg, reduce=_reduce(cfg.reduce, dtype, top_k, out))
     block_m = cfg.gluon.block_m if kernels is Kernels.GLUON_SM90 else cfg.block_m
     direct = kernels is Kernels.DECODE or (kernels is Kernels.WEIGHT_MAJOR and cfg.direct)
@@ -251,7 +252,11 @@ def _run(call: _Call, hidden_states, weights: MoeWeights, ids, route_w, rows, ou
         target = out
     else:
         target = torch.empty(num_pairs, h, dtype=dtype, device=device)  # [P, H] one row per pair
-    if gluon:
+    if gluon and weights.w13_perm is not None and gluon_sm90.ACT_ORDER_GATHER:  # act-order: rows gathered once
+        xg = gather_act_order(x, ids, weights.w13_perm)
+        plain = replace(weights, w13_perm=None)
+        gluon_sm90.run(xg, plain, ids, route_w, rows, inter, target, cfg, x_per_pair=True)
+    elif gluon:
         gluon_sm90.run(x, weights, ids, route_w, rows, inter, target, cfg)
     elif call.kernels is Kernels.WEIGHT_MAJOR:
         exact_bf16 = not BF16_SCALES_IN_WEIGHTS

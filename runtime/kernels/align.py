@@ -22,10 +22,11 @@ in Triton's interpreter. No result depends on it: every GEMM row is its pair's o
 sum reads the rows back by pair index.
 
 Up to MAX_CHUNK pairs one program (``_one_program_kernel``) does it all with the counts, segment ends and block
-owners in registers: one barrier and one atomic per pair after the ids are loaded, where the three steps pass
-through memory three times. Given router logits (``route_and_align``), the first launch also routes: the one
-program routes every token before it counts; past MAX_CHUNK pairs each count program routes one routing step's
-tokens (its chunk), as the routing kernel's own grid would. Either way routing costs no launch of its own.
+owners in registers: one barrier and one atomic per pair after the ids are loaded. Given router logits
+(``route_and_align``) and at most one routing step of tokens (routing.token_block, 16 at up to 256 experts), that
+program routes them first: no launch of its own for the routing. More tokens are routed by the routing kernel:
+one program routing them serially, or count programs routing their own chunks, measured slower than the
+routing kernel's own grid (benchmarks/KERNEL_NOTES.md item 18).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.formats.errors import RepackError
-from repack.runtime.kernels.routing import route_outputs, route_tokens
+from repack.runtime.kernels.routing import route, route_outputs, route_tokens, token_block
 
 MAX_CHUNK = 1024  # pairs one program counts and places; the chunk count (grid of steps 1 and 3) is pairs / MAX_CHUNK
 SCAN_TILE = 8192  # elements of one [chunks, E] tile in the scan program
@@ -68,18 +68,10 @@ def max_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _chunk_ids(ids_ptr, chunk, chunk_pairs, num_pairs, CHUNK: tl.constexpr):
-    """(pair indices [CHUNK], their expert ids, -1 past the chunk) of chunk ``chunk`` of ``chunk_pairs`` pairs."""
-    lanes = tl.arange(0, CHUNK)
-    pairs = chunk * chunk_pairs + lanes
-    return pairs, tl.load(ids_ptr + pairs, mask=(lanes < chunk_pairs) & (pairs < num_pairs), other=-1)
-
-
-@triton.jit
-def _count_chunk(ids_ptr, chunk, chunk_pairs, num_pairs, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """Pairs per expert [BLOCK_E] of one chunk; ids outside [0, E) are not counted."""
-    _, ids = _chunk_ids(ids_ptr, chunk, chunk_pairs, num_pairs, CHUNK)
-    return tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < num_experts))
+def _chunk_ids(ids_ptr, chunk, num_pairs, CHUNK: tl.constexpr):
+    """(pair indices [CHUNK], their expert ids, -1 past the pairs) of chunk ``chunk``."""
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    return pairs, tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
 
 
 @triton.jit
@@ -120,58 +112,25 @@ def _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M
 
 
 @triton.jit
-def _block_experts(ends_ptr, block_experts_ptr, program, programs, max_blocks, BLOCK_M: tl.constexpr,
-                   BLOCK_E: tl.constexpr, TILE_B: tl.constexpr):  # fmt: skip
-    """Program ``program`` of ``programs`` writes the expert of its share of the blocks: the number of segments
-    that end at or before the block's first row, -1 past the last segment."""
-    ends = tl.load(ends_ptr + tl.arange(0, BLOCK_E))
+def _block_owners(ends, block_experts_ptr, first_block, end_block, BLOCK_M: tl.constexpr, TILE_B: tl.constexpr):
+    """Blocks ``first_block .. end_block``: each one's expert, the number of segments (``ends`` [BLOCK_E]) that end
+    at or before its first row, -1 past the last segment."""
     total = tl.max(ends, axis=0)
-    span = tl.cdiv(tl.cdiv(max_blocks, programs), TILE_B) * TILE_B
     lanes = tl.arange(0, TILE_B)
-    end = tl.minimum(max_blocks, (program + 1) * span)
-    for b0 in range(program * span, end, TILE_B):
+    for b0 in range(first_block, end_block, TILE_B):
         blocks = b0 + lanes
         first_row = blocks * BLOCK_M
         owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + blocks, tl.where(first_row < total, owner, -1), mask=blocks < end)
+        tl.store(block_experts_ptr + blocks, tl.where(first_row < total, owner, -1), mask=blocks < end_block)
 
 
 @triton.jit
-def _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, chunk_pairs, num_pairs, num_experts,
-                   BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """Place one chunk's pairs: each takes the next slot of its (chunk, expert) cursor (one atomic)."""
-    pairs, ids = _chunk_ids(ids_ptr, chunk, chunk_pairs, num_pairs, CHUNK)
-    placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
-    slot = tl.atomic_add(cursors_ptr + chunk * BLOCK_E + ids, 1, mask=placed, sem="relaxed")
-    tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
-
-
-@triton.jit
-def _route_chunk(logits_ptr, weights_ptr, ids_ptr, chunk, chunk_pairs, num_tokens, num_experts, stride_logits,
-                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
-    """Route the tokens of one chunk (``chunk_pairs // TOP_K`` of them), BLOCK_T at a time; the barrier makes
-    their ids visible to this program's count and scatter."""
-    chunk_tokens = chunk_pairs // TOP_K
-    first = chunk * chunk_tokens
-    end = tl.minimum(num_tokens, first + chunk_tokens)
-    for t0 in range(first, end, BLOCK_T):
-        route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, end, num_experts, stride_logits, TOP_K, RENORMALIZE,
-                     BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
-    tl.debug_barrier()
-
-
-@triton.jit
-def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, chunk_pairs, num_tokens, num_pairs,
-                  num_experts, total_rows, stride_logits, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+def _count_kernel(ids_ptr, counts_ptr, sorted_pairs_ptr, num_pairs, num_experts, total_rows, BLOCK_E: tl.constexpr,
                   CHUNK: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
-    """Step 1 (with ROUTE, routing this chunk's tokens first): the chunk's counts, its share of the sentinel."""
+    """Step 1: the chunk's pairs per expert (ids outside [0, E) are not counted), its share of the sentinel."""
     chunk = tl.program_id(0)
-    if ROUTE:
-        _route_chunk(logits_ptr, weights_ptr, ids_ptr, chunk, chunk_pairs, num_tokens, num_experts, stride_logits,
-                     TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
-    counts = _count_chunk(ids_ptr, chunk, chunk_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
+    _, ids = _chunk_ids(ids_ptr, chunk, num_pairs, CHUNK)
+    counts = tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < num_experts))
     tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
     _fill_sentinel(sorted_pairs_ptr, chunk, tl.num_programs(0), total_rows, num_pairs, FILL)
 
@@ -183,30 +142,37 @@ def _scan_kernel(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOC
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr, chunk_pairs, num_pairs,
-                    num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+def _scatter_kernel(ids_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
+                    max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                     TILE_B: tl.constexpr):  # fmt: skip
+    """Step 3: every pair of the chunk takes the next slot of its (chunk, expert) cursor (one atomic), and the
+    program writes the expert of its share of the blocks."""
     chunk = tl.program_id(0)
-    _scatter_chunk(ids_ptr, cursors_ptr, sorted_pairs_ptr, chunk, chunk_pairs, num_pairs, num_experts, BLOCK_E, CHUNK)
-    _block_experts(ends_ptr, block_experts_ptr, chunk, tl.num_programs(0), max_blocks, BLOCK_M, BLOCK_E, TILE_B)
+    pairs, ids = _chunk_ids(ids_ptr, chunk, num_pairs, CHUNK)
+    placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
+    slot = tl.atomic_add(cursors_ptr + chunk * BLOCK_E + ids, 1, mask=placed, sem="relaxed")
+    tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
+    span = tl.cdiv(tl.cdiv(max_blocks, tl.num_programs(0)), TILE_B) * TILE_B
+    ends = tl.load(ends_ptr + tl.arange(0, BLOCK_E))
+    _block_owners(ends, block_experts_ptr, chunk * span, tl.minimum(max_blocks, (chunk + 1) * span), BLOCK_M, TILE_B)
 
 
 @triton.jit
 def _one_program_kernel(logits_ptr, weights_ptr, ids_ptr, cursors_ptr, sorted_pairs_ptr, block_experts_ptr,
                         num_blocks_ptr, num_tokens, num_experts, total_rows, max_blocks, stride_logits,
                         ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PAIRS: tl.constexpr,
-                        FILL: tl.constexpr, TILE_B: tl.constexpr):  # fmt: skip
-    """Routing (with ROUTE) and the whole alignment in one program, for calls of up to MAX_CHUNK pairs.
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PAIRS: tl.constexpr, FILL: tl.constexpr,
+                        TILE_B: tl.constexpr):  # fmt: skip
+    """Routing (with ROUTE: the BLOCK_T tokens of one routing step at most) and the whole alignment in one
+    program, for calls of up to MAX_CHUNK pairs.
 
     The counts, segment ends and block owners stay in registers: the only global round trips after the ids are
-    one barrier (the cursors, stored as the segment starts, visible to every thread) and one atomic per pair.
-    The multi-program steps would pass them through memory three times (KERNEL_NOTES item 18)."""
+    one barrier (the cursors, stored as the segment starts, visible to every thread) and one atomic per pair,
+    where the three steps pass them through memory three times."""
     num_pairs = num_tokens * TOP_K
     if ROUTE:
-        for t0 in range(0, num_tokens, BLOCK_T):
-            route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, stride_logits, TOP_K,
-                         RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
+        route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, num_tokens, num_experts, stride_logits, TOP_K, RENORMALIZE,
+                     BLOCK_T, BLOCK_E)  # fmt: skip
         tl.debug_barrier()  # the ids this program stored, visible to all of its threads
     pairs = tl.arange(0, PAIRS)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
@@ -224,24 +190,16 @@ def _one_program_kernel(logits_ptr, weights_ptr, ids_ptr, cursors_ptr, sorted_pa
     lanes = tl.arange(0, FILL)
     for r0 in range(used, total_rows, FILL):
         tl.store(sorted_pairs_ptr + r0 + lanes, tl.full([FILL], 0, tl.int32) + num_pairs, mask=r0 + lanes < total_rows)
-    blocks = tl.arange(0, TILE_B)
-    for b0 in range(0, max_blocks, TILE_B):
-        first_row = (b0 + blocks) * BLOCK_M
-        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + b0 + blocks, tl.where(first_row < used, owner, -1), mask=b0 + blocks < max_blocks)
+    _block_owners(ends, block_experts_ptr, 0, max_blocks, BLOCK_M, TILE_B)
     tl.debug_barrier()  # every cursor stored before any thread's atomic reads it
     slot = tl.atomic_add(cursors_ptr + ids, 1, mask=placed, sem="relaxed")
     tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
 
 
-def routing_token_block(num_experts: int) -> int:
-    """Tokens one in-kernel routing step holds inside the alignment: about 4096 logits, up to 64 tokens."""
-    return max(1, min(64, 4096 // triton.next_power_of_2(num_experts)))
-
-
 def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> Alignment:
     """Launch the alignment of the [M, k] ids ``ids``; with ``routing`` = (logits [M, E], weights [M, k],
-    renormalize), the first step routes the tokens into ``ids`` and ``weights`` first."""
+    renormalize), the one program routes the tokens into ``ids`` and ``weights`` first (at most one routing step
+    of tokens: :func:`route_and_align` decides)."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     device = ids.device
@@ -251,41 +209,33 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
     ids_flat = ids.view(-1)
-    logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
-    stride = logits.stride(0) if routing else 0
-    route_t = routing_token_block(num_experts)
-    route = dict(ROUTE=routing is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
-                 BLOCK_K=triton.next_power_of_2(top_k))  # fmt: skip
     tile_b = max(16, SCAN_TILE // block_e)  # blocks per [blocks, E] compare tile
     if num_pairs <= MAX_CHUNK:
+        logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
         scratch = torch.empty(block_e + 1, dtype=torch.int32, device=device)  # cursors [BLOCK_E], num_blocks [1]
         pairs = max(16, triton.next_power_of_2(num_pairs))
         _one_program_kernel[(1,)](
             logits, weights, ids_flat, scratch, sorted_pairs, block_experts, scratch[-1:], num_tokens, num_experts,
-            total_rows, max_blocks, stride, BLOCK_T=min(route_t, triton.next_power_of_2(num_tokens)),
-            BLOCK_M=block_m, PAIRS=pairs, FILL=1024, TILE_B=tile_b, num_warps=8 if pairs >= 512 else 4, **route,
+            total_rows, max_blocks, logits.stride(0) if routing else 0, ROUTE=routing is not None, TOP_K=top_k,
+            RENORMALIZE=renormalize, BLOCK_T=token_block(num_experts), BLOCK_M=block_m, BLOCK_E=block_e,
+            PAIRS=pairs, FILL=1024, TILE_B=tile_b, num_warps=8 if pairs >= 512 else 4,
         )  # fmt: skip
         return Alignment(sorted_pairs, block_experts, scratch[-1:], block_m)
-    # A chunk holds whole tokens when the first step routes them (their pairs are contiguous: token * k + j):
-    # one routing step's tokens, so routing runs as parallel as the routing kernel's own grid.
-    chunk_pairs = route_t * top_k if routing else MAX_CHUNK
-    chunk = triton.next_power_of_2(chunk_pairs)
-    chunks = triton.cdiv(num_pairs, chunk_pairs)
+    if routing is not None:
+        raise ValueError(f"align: routing inside the alignment takes at most {MAX_CHUNK} pairs, not {num_pairs}")
+    chunks = triton.cdiv(num_pairs, MAX_CHUNK)
     # One int32 scratch: per-chunk counts and cursors [chunks, BLOCK_E] each, segment ends [BLOCK_E], num_blocks [1].
     scratch = torch.empty(2 * chunks * block_e + block_e + 1, dtype=torch.int32, device=device)
     counts, cursors = scratch[: chunks * block_e], scratch[chunks * block_e : 2 * chunks * block_e]
     ends, num_blocks = scratch[2 * chunks * block_e : -1], scratch[-1:]
-    _count_kernel[(chunks,)](
-        logits, weights, ids_flat, counts, sorted_pairs, chunk_pairs, num_tokens, num_pairs, num_experts, total_rows,
-        stride, BLOCK_T=route_t, CHUNK=chunk, FILL=1024, num_warps=8 if routing else 4, **route,
-    )  # fmt: skip
+    sizes = dict(BLOCK_E=block_e, CHUNK=MAX_CHUNK)
+    _count_kernel[(chunks,)](ids_flat, counts, sorted_pairs, num_pairs, num_experts, total_rows, FILL=1024, **sizes)
     tile_c = max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
-    _scan_kernel[(1,)](
-        counts, cursors, ends, num_blocks, chunks, BLOCK_M=block_m, BLOCK_E=block_e, TILE_C=tile_c, num_warps=8
-    )  # fmt: skip
+    # Four warps: eight measured 1.9x slower at 32 chunks (5.5 against 2.9 us, KERNEL_NOTES item 18).
+    _scan_kernel[(1,)](counts, cursors, ends, num_blocks, chunks, BLOCK_M=block_m, BLOCK_E=block_e, TILE_C=tile_c)
     _scatter_kernel[(chunks,)](
-        ids_flat, cursors, ends, sorted_pairs, block_experts, chunk_pairs, num_pairs, num_experts, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, TILE_B=tile_b, num_warps=4,
+        ids_flat, cursors, ends, sorted_pairs, block_experts, num_pairs, num_experts, max_blocks, BLOCK_M=block_m,
+        TILE_B=tile_b, **sizes,
     )  # fmt: skip
     return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
 
@@ -295,16 +245,23 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     return _align(topk_ids.contiguous(), num_experts, block_m)
 
 
+def routes_in_alignment(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether :func:`route_and_align` routes inside the alignment's one program: at most one routing step of
+    tokens (routing.token_block) and one program's pairs. Routing more tokens there measured slower than the
+    routing kernel's grid (KERNEL_NOTES item 18)."""
+    return num_tokens <= token_block(num_experts) and num_tokens * top_k <= MAX_CHUNK
+
+
 def route_and_align(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
-    """:func:`routing.route` and :func:`align_pairs` in the launches of the alignment alone (one up to
-    MAX_CHUNK pairs): the first step routes its chunk's tokens, then counts their pairs.
+    """:func:`routing.route` then :func:`align_pairs`, in one launch where :func:`routes_in_alignment`.
 
     Returns ``(topk_weights fp32 [M, k], topk_ids int32 [M, k], alignment)``, the first two as ``route`` gives them.
     """
     router_logits, weights, ids = route_outputs(router_logits, top_k)
-    num_experts = router_logits.shape[1]
-    if top_k > MAX_CHUNK:
-        raise RepackError(f"route_and_align: top_k={top_k} is more than one chunk of {MAX_CHUNK} pairs")
+    num_tokens, num_experts = router_logits.shape
+    if not routes_in_alignment(num_tokens, top_k, num_experts):
+        weights, ids = route(router_logits, top_k, renormalize)
+        return weights, ids, align_pairs(ids, num_experts, block_m)
     return weights, ids, _align(ids, num_experts, block_m, routing=(router_logits, weights.view(-1), renormalize))

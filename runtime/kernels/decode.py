@@ -176,7 +176,7 @@ def _prepare_kernel(
     TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
     # routing in this launch (ROUTE, never with HAS_PERM: act-order rows need their ids first)
-    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
+    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """One K block of one prepared row (a token, or a pair under act-order, whose expert's permutation gathers
     it), then this program's share of the zeroed scratch: both jobs of the decode's first launch. With ROUTE the
@@ -187,7 +187,7 @@ def _prepare_kernel(
     if ROUTE:  # noqa: SIM102 (a constexpr: without it the routing is not compiled at all)
         if tl.program_id(1) == 0:
             route_tokens(logits_ptr, topk_weights_ptr, topk_ids_ptr, row, row + 1, num_experts, stride_logits,
-                         TOP_K, RENORMALIZE, 1, BLOCK_E, BLOCK_TOP_K)  # fmt: skip
+                         TOP_K, RENORMALIZE, 1, BLOCK_E)  # fmt: skip
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_w = tl.arange(0, WORDS)
@@ -493,7 +493,6 @@ def run(
         ROUTE=routing is not None,
         RENORMALIZE=renormalize,
         BLOCK_E=triton.next_power_of_2(weights.num_experts),
-        BLOCK_TOP_K=triton.next_power_of_2(top_k),
         num_warps=1,
         **order,
     )

@@ -60,6 +60,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = exc
 
 STEP_K = 128  # K values per step: 16 int32 words per row, eight 16-deep wgmmas
+# Act-order stacks: each pair's row gathered once (kernels/act_order.py), then the plain kernels; False keeps the
+# in-loop column gather (the comparison benchmarks/probe_glue.py measures).
+ACT_ORDER_GATHER = True
 
 
 def available() -> bool:
@@ -80,16 +83,22 @@ def heuristic(num_pairs: int, num_experts: int) -> GluonTile:
     return GluonTile(128, 128, 8, 4, 8)
 
 
-def heuristic_reduce(dtype: torch.dtype, num_pairs: int, num_experts: int) -> str:
-    """The top-k sum beside the heuristic's tile (runtime/kernel_config.py ``reduce``)."""
-    return "pairs"
+def heuristic_reduce(dtype: torch.dtype) -> str:
+    """The top-k sum beside the heuristic's tile (runtime/kernel_config.py ``reduce``): in fp16, w2's rows added
+    straight into the output that w13 cleared, faster than per-pair rows and their sum on every shape and M
+    measured but Mixtral and Qwen2-57B at M = 1024 (+1-2%), and 0.4-6.5% of the call faster elsewhere
+    (benchmarks/KERNEL_NOTES.md item 18); fp32 atomics lost past M = 256 (twice the bytes of every add). bf16:
+    per-pair rows (eight bf16 roundings per element would cost more than the 5e-3 the bf16 path is held to)."""
+    return "out" if dtype == torch.float16 else "pairs"
 
 
 def preferred(weights: MoeWeights, dtype: torch.dtype, num_pairs: int) -> bool:
     """Whether these kernels beat the tl weight-major ones on an aligned call, as measured on the H200
     (benchmarks/KERNEL_NOTES.md item 16): fp16 always; bf16 (four more instructions per two weights) from 48
-    rows per expert up; never act-order (its column gather goes through registers here)."""
-    if weights.w13_perm is not None:
+    rows per expert up. Act-order stacks run here as plain ones once their rows are gathered
+    (kernels/act_order.py, KERNEL_NOTES item 18); with the gather off, never (their column gather goes through
+    registers here)."""
+    if weights.w13_perm is not None and not ACT_ORDER_GATHER:
         return False
     return dtype == torch.float16 or num_pairs / max(1, weights.num_experts) > 48
 
@@ -492,6 +501,7 @@ def run(
     inter: torch.Tensor,  # [P, I] activation dtype: w13's output, w2's input
     target: torch.Tensor,  # [P, H] activation dtype ("pairs"), else [M, H] added to: fp32 ("atomic") or out ("out")
     config: KernelConfig,  # its ``gluon`` tile (set) and ``reduce``; the tl tile is not read
+    x_per_pair: bool = False,  # x is [P, H], one row per pair (act-order rows gathered by kernels/act_order.py)
 ) -> None:
     """w13 then w2 over the aligned token blocks ``rows``: ``inter`` receives ``silu(gate) * up``, ``target`` the
     weighted w2 output, added to in fp32 (``reduce="atomic"``) or one row per pair."""
@@ -513,8 +523,8 @@ def run(
         x, w13, s13, zeros13, perm, inter, *row_args[:3], target, *row_args[3:], n_inter, h,
         target.numel() if zero_out else 0,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
-        **launch_constants(tile, "w13", top_k=top_k, group_len=weights.group_len(h), has_zeros=has_zeros,
-                           has_perm=has_perm, zero_out=zero_out),
+        **launch_constants(tile, "w13", top_k=1 if x_per_pair else top_k, group_len=weights.group_len(h),
+                           has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out),
     )  # fmt: skip
     grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](

@@ -17,11 +17,15 @@ from repack.formats.errors import RepackError
 
 @triton.jit
 def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_experts, stride_logits,
-                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
+                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr):  # fmt: skip
     """Route tokens ``first_token .. first_token + BLOCK_T`` (those below ``num_tokens``): their weights and ids
-    stored at ``token * TOP_K + k`` (BLOCK_K = next power of two of TOP_K). The routing kernel's body, and the
-    first step of kernels/align.py's routed alignment."""
+    stored at ``token * TOP_K + k``. The routing kernel's body, and the first step of the one-program alignment
+    (kernels/align.py) and of the decode's preparation (kernels/decode.py).
+
+    Each round's choice is stored straight from the reduced vectors. A single pass that gathered the choices into
+    a [BLOCK_T, TOP_K] tensor and stored it once measured 1.1-1.8 us slower at 128 experts on the H200
+    (benchmarks/KERNEL_NOTES.md item 18), so renormalising keeps its first pass that only sums the choices."""
     tokens = first_token + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     valid = (tokens[:, None] < num_tokens) & (experts[None, :] < num_experts)
@@ -33,35 +37,31 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     probs = exps / tl.maximum(tl.sum(exps, axis=1), 1e-30)[:, None]
     # Experts already taken are set to -1 so they lose every later argmax (probabilities are >= 0).
     # NaN never equals the max, which would select no expert at all: a NaN probability loses like a taken one.
-    # One pass of TOP_K argmax rounds gathers the choices in registers; the renormalising sum adds them in
-    # selection order, and every weight and id is stored once, already final.
-    remaining = tl.where(valid & (probs == probs), probs, -1.0)
-    slots = tl.arange(0, BLOCK_K)[None, :]
-    chosen_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    chosen_id = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    candidates = tl.where(valid & (probs == probs), probs, -1.0)
+    total = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
+    if RENORMALIZE:
+        remaining = candidates
+        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for _ in tl.static_range(TOP_K):
+            best = tl.max(remaining, axis=1)
+            best_id = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
+            remaining = tl.where(experts[None, :] == best_id[:, None], -1.0, remaining)
+            total += best
+    remaining = candidates
     for k in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=1)
         best_id = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
         remaining = tl.where(experts[None, :] == best_id[:, None], -1.0, remaining)
-        total += best
-        chosen_w = tl.where(slots == k, best[:, None], chosen_w)
-        chosen_id = tl.where(slots == k, best_id[:, None], chosen_id)
-    if RENORMALIZE:
-        chosen_w = chosen_w / total[:, None]
-    safe_id = tl.minimum(chosen_id, num_experts - 1)  # an all-NaN row still yields a valid expert id
-    offs = tokens[:, None] * TOP_K + slots
-    mask = (tokens[:, None] < num_tokens) & (slots < TOP_K)
-    tl.store(weights_ptr + offs, chosen_w, mask=mask)
-    tl.store(ids_ptr + offs, safe_id, mask=mask)
+        tl.store(weights_ptr + tokens * TOP_K + k, best / total, mask=tokens < num_tokens)
+        safe_id = tl.minimum(best_id, num_experts - 1)  # an all-NaN row still yields a valid expert id
+        tl.store(ids_ptr + tokens * TOP_K + k, safe_id.to(tl.int32), mask=tokens < num_tokens)
 
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
+                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens, num_experts,
-                 stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
+                 stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
 
 
 def route_outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,8 +83,9 @@ def route_outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor
 
 
 def token_block(num_experts: int) -> int:
-    """Tokens one routing step holds: about 4096 logits in registers."""
-    return max(1, min(16, 4096 // triton.next_power_of_2(num_experts)))
+    """Tokens one routing step holds: up to 16, at most 2048 logits (4096 spilled to local memory at 256
+    experts in the sm_90 compile test)."""
+    return max(1, min(16, 2048 // triton.next_power_of_2(num_experts)))
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +111,5 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         RENORMALIZE=renormalize,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k),
     )
     return weights, ids

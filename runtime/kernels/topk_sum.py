@@ -16,8 +16,8 @@ from repack.runtime.kernels.common import TL_DTYPES
 
 
 @triton.jit
-def _topk_sum_kernel(rows_ptr, out_ptr, num_tokens, H, stride_out, TOP_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+def _topk_sum_kernel(rows_ptr, out_ptr, num_tokens, H, stride_out, stride_out_h, TOP_K: tl.constexpr,
+                     OUT_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (tokens[:, None] < num_tokens) & (cols[None, :] < H)
@@ -25,17 +25,19 @@ def _topk_sum_kernel(rows_ptr, out_ptr, num_tokens, H, stride_out, TOP_K: tl.con
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         acc += tl.load(rows_ptr + first + k * H, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(OUT_DTYPE), mask=mask)
+    out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_out + cols[None, :] * stride_out_h
+    tl.store(out_ptrs, acc.to(OUT_DTYPE), mask=mask)
 
 
 def topk_sum(rows: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
-    """``out[m] = sum_j rows[m * top_k + j]`` for ``rows`` [M * top_k, H] (contiguous) into ``out`` [M, H]."""
+    """``out[m] = sum_j rows[m * top_k + j]`` for ``rows`` [M * top_k, H] (contiguous) into ``out`` [M, H] (any
+    strides)."""
     m, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
     block_t = max(1, 2048 // block_h)  # about 2048 outputs per program
     grid = (triton.cdiv(m, block_t), triton.cdiv(h, block_h))
     _topk_sum_kernel[grid](
-        rows, out, m, h, out.stride(0), TOP_K=top_k, OUT_DTYPE=TL_DTYPES[out.dtype], BLOCK_T=block_t,
+        rows, out, m, h, out.stride(0), out.stride(1), TOP_K=top_k, OUT_DTYPE=TL_DTYPES[out.dtype], BLOCK_T=block_t,
         BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
     return out

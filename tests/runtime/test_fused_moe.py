@@ -90,7 +90,8 @@ def test_gptq_order_adds_the_top_k_into_the_output(device):
 
 
 def test_reduce_out_falls_back_to_fp32_atomics_where_it_cannot_run(device):
-    """bf16 (eight roundings per element) and a strided ``out`` take the fp32 atomic sum instead, bit for bit."""
+    """bf16 (eight roundings per element) and a strided ``out`` take the fp32 atomic sum instead, bit for bit (on
+    the tl kernels, which keep a config's REDUCE; the Gluon path takes its heuristic's with its tile)."""
     scheme = GptqScheme(4, 128, True, "gptq")
     weights, _ = make_stack(4, 256, 128, scheme, word_order="mma128")
     weights = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
@@ -98,14 +99,15 @@ def test_reduce_out_falls_back_to_fp32_atomics_where_it_cannot_run(device):
     ids = torch.randint(0, 4, (6, 2), generator=gen).to(torch.int32).to(device)
     route_w = torch.rand(6, 2, generator=gen).to(device)
     x = torch.randn(6, 256, generator=gen).to(torch.float16).to(device)
-    config = dict(WEIGHT_MAJOR, REDUCE="out")
+    config, atomic = dict(WEIGHT_MAJOR, REDUCE="out", PORTABLE=True), dict(WEIGHT_MAJOR, REDUCE="atomic", PORTABLE=True)
     strided = torch.full((6, 512), float("nan"), dtype=torch.float16, device=device)[:, ::2]
     got = fused_moe(x, weights, ids, route_w, config=config, out=strided)
-    assert torch.equal(got, fused_moe(x, weights, ids, route_w, config=dict(WEIGHT_MAJOR, REDUCE="atomic")))
+    assert torch.equal(got, fused_moe(x, weights, ids, route_w, config=atomic))
     assert not torch.isnan(strided).any()
     xb = x.to(torch.bfloat16)
-    bf16 = fused_moe(xb, weights, ids, route_w, config=config)
-    assert torch.equal(bf16, fused_moe(xb, weights, ids, route_w, config=dict(WEIGHT_MAJOR, REDUCE="atomic")))
+    assert torch.equal(
+        fused_moe(xb, weights, ids, route_w, config=config), fused_moe(xb, weights, ids, route_w, config=atomic)
+    )
 
 
 def test_direct_top1_group_all_partial_k_block(device):

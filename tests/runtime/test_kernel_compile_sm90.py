@@ -106,7 +106,7 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
         w13 = _compile(_w13_decode_kernel, prepared, {**decode, "HAS_PERM": asym, "SPLIT_K": split}, *launch)
         w2 = _compile(_w2_decode_kernel, prepared, {**decode, "REDUCE": True}, *launch)
         prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg.block_k, ZERO_BLOCK=256)
-        routing = dict(ROUTE=not asym, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOP_K=8)  # routes where it can
+        routing = dict(ROUTE=not asym, RENORMALIZE=True, BLOCK_E=128)  # routes where it can
         _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr), dict(prepare, **routing), 1, 1)
     else:
         mma = dict(

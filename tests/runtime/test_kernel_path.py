@@ -35,7 +35,8 @@ def test_gluon_is_asked_for_but_runs_only_on_an_sm90_gpu(monkeypatch):
 
 def test_gluon_runs_where_it_is_faster_or_asked_on_a_gpu_that_can_run_it_unless_portable(monkeypatch):
     """The choice itself, with the backend check answering yes (as on an H100/H200 with Gluon's Hopper API):
-    fp16 always, bf16 past 48 rows per expert, never act-order unless asked (gluon_sm90.preferred)."""
+    fp16 always, bf16 past 48 rows per expert, act-order as plain stacks while its rows are gathered first
+    (gluon_sm90.ACT_ORDER_GATHER), else only when asked (gluon_sm90.preferred)."""
     monkeypatch.setattr("repack.runtime.fused_moe.gluon_sm90_runs", lambda device: True)
     stack, device, fp16, bf16 = zero_stack(), torch.device("cpu"), torch.float16, torch.bfloat16
     plain = KernelConfig.from_dict(TENSOR_CORE)
@@ -47,6 +48,8 @@ def test_gluon_runs_where_it_is_faster_or_asked_on_a_gpu_that_can_run_it_unless_
     direct = KernelConfig.from_dict(dict(TENSOR_CORE, DIRECT=True, GLUON=[16, 64, 1]))
     assert choose_kernels(stack, direct, device, fp16, 16) is Kernels.WEIGHT_MAJOR  # one block per pair: no Gluon
     act_order = zero_stack(act_order=True)
+    assert choose_kernels(act_order, plain, device, fp16, 4096) is Kernels.GLUON_SM90
+    monkeypatch.setattr(gluon_sm90, "ACT_ORDER_GATHER", False)
     assert choose_kernels(act_order, plain, device, fp16, 4096) is Kernels.WEIGHT_MAJOR
     monkeypatch.setenv(GLUON_ENV, "1")
     assert choose_kernels(act_order, plain, device, fp16, 16) is Kernels.GLUON_SM90

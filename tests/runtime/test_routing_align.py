@@ -141,13 +141,20 @@ def test_align_skips_ids_outside_the_stack(device):
 
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block_m", "renormalize"),
-    [(3, 8, 2, 16, True), (128, 128, 8, 16, True), (300, 64, 6, 64, False), (1100, 60, 4, 128, False)],
+    [
+        (3, 8, 2, 16, True),
+        (16, 256, 8, 16, True),
+        (128, 128, 8, 16, True),
+        (300, 64, 6, 64, False),
+        (1100, 60, 4, 128, False),
+    ],  # fmt: skip
 )
 def test_route_and_align_is_route_then_align(device, tokens, experts, top_k, block_m, renormalize):
-    """The routed alignment (one launch up to 1024 pairs, routing fused into the count step past that, with
-    chunks of whole tokens: 170 tokens of top-6) gives route()'s weights and ids and their alignment."""
-    from repack.runtime.kernels.align import route_and_align
+    """The routed alignment (one launch for a routing step's tokens, 16 here, 8 at 256 experts; the routing kernel
+    then the alignment for more) gives route()'s weights and ids and their alignment."""
+    from repack.runtime.kernels.align import route_and_align, routes_in_alignment
 
+    assert routes_in_alignment(tokens, top_k, experts) == (tokens <= (8 if experts == 256 else 16))
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(torch.float16)
     weights, ids, a = route_and_align(logits.to(device), top_k, renormalize, block_m)
     ref_w, ref_ids = route(logits.to(device), top_k, renormalize)

@@ -24,3 +24,12 @@ def test_topk_sum_writes_a_strided_output(device):
     topk_sum(rows.to(device), 2, wide[:, :64])
     assert torch.equal(wide[:, :64].cpu(), rows.float().view(3, 2, 64).sum(1).half())  # fp32 sum, one rounding
     assert bool((wide[:, 64:] == 0).all())  # the columns past the view untouched
+
+
+def test_topk_sum_writes_an_output_strided_along_h(device):
+    """Every other column of a wider buffer (a caller's ``out`` view): the kernel follows both strides."""
+    rows = torch.randn(6, 64).half()
+    wide = torch.zeros(3, 128, dtype=torch.float16, device=device)
+    topk_sum(rows.to(device), 2, wide[:, ::2])
+    assert torch.equal(wide[:, ::2].cpu(), rows.float().view(3, 2, 64).sum(1).half())
+    assert bool((wide[:, 1::2] == 0).all())

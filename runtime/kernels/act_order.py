@@ -1,0 +1,44 @@
+"""Act-order activations gathered once per (token, expert) pair, so the plain GEMMs run act-order stacks.
+
+An act-order stack keeps w13's input columns in GPTQ's permuted order (formats/SPEC.md: the format folds w2's
+permutation into w13's rows, so w2 needs none): expert ``e`` reads ``x[token, perm[e, j]]`` as its input ``j``.
+The tensor-core kernels can gather those columns inside their K loop, through registers, at 1.5-1.9x the time
+of the plain kernels (benchmarks/RESULTS.md, act-order rows). Here one launch writes each pair's gathered row
+``xg[pair, j] = x[pair // T, perm[expert(pair), j]]`` instead; the plain w13 then reads ``xg`` one row per
+pair. Cost: one [P, H] write (the permutation rows and ``x`` stay in L2), against a gather in every K step of
+every weight tile of w13.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_H = 1024  # columns per program: 16-byte stores of eight fp16/bf16 per thread at 4 warps
+
+
+@triton.jit
+def _gather_kernel(x_ptr, ids_ptr, perm_ptr, out_ptr, H, num_experts, stride_x, TOP_K: tl.constexpr,
+                   BLOCK_H: tl.constexpr):  # fmt: skip
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    expert = tl.minimum(tl.maximum(tl.load(ids_ptr + pair), 0), num_experts - 1).to(tl.int64)
+    src = tl.load(perm_ptr + expert * H + cols, mask=ok, other=0)
+    row = tl.load(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x + src, mask=ok, other=0.0)
+    tl.store(out_ptr + pair.to(tl.int64) * H + cols, row, mask=ok)
+
+
+def gather_act_order(x: torch.Tensor, topk_ids: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``[P, H]``: row ``p`` is token ``p // T``'s activations in expert ``topk_ids.flat[p]``'s column order.
+
+    ``x`` [M, H] (unit stride along H), ``topk_ids`` [M, T] contiguous, ``perm`` int32 [E, H] (the stack's
+    ``w13_perm``). Ids outside [0, E) are clamped (their rows are never read: the GEMMs skip such pairs)."""
+    m, h = x.shape
+    top_k = topk_ids.shape[1]
+    out = torch.empty(m * top_k, h, dtype=x.dtype, device=x.device)
+    if out.numel():
+        grid = (m * top_k, triton.cdiv(h, BLOCK_H))
+        _gather_kernel[grid](x, topk_ids, perm, out, h, perm.shape[0], x.stride(0), TOP_K=top_k, BLOCK_H=BLOCK_H)
+    return out
