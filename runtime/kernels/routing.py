@@ -24,8 +24,9 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     (kernels/align.py) and of the decode's preparation (kernels/decode.py).
 
     Each round's choice is stored straight from the reduced vectors. A single pass that gathered the choices into
-    a [BLOCK_T, TOP_K] tensor and stored it once measured 1.1-1.8 us slower at 128 experts on the H200
-    (benchmarks/KERNEL_NOTES.md item 18), so renormalising keeps its first pass that only sums the choices."""
+    a [BLOCK_T, TOP_K] tensor and stored it once measured 1.1-1.8 us slower at 128 experts on the H200 than this
+    form had in an earlier run (benchmarks/KERNEL_NOTES.md item 18), so renormalising keeps its first pass that
+    only sums the choices."""
     tokens = first_token + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     valid = (tokens[:, None] < num_tokens) & (experts[None, :] < num_experts)
