@@ -3,8 +3,8 @@
     python benchmarks/anchor_report.py RESULTS.json [--launches]
 
 Prints ours/Marlin per model and M (below 1: we are faster), each cell's times, and with ``--launches`` where
-every call's time goes (runs made with ANCHOR_PROFILE=1: torch.profiler over the graph replay), so a change
-can be predicted against the row it should move. What RESULTS.md records comes from here.
+every call's time goes (runs made through benchmarks/anchor_run.py: torch.profiler over the graph replay), so a
+change can be predicted against the row it should move. What RESULTS.md records comes from here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-GLUE = ("_route_kernel", "_align", "_count_kernel", "_scan_kernel", "_scatter_kernel", "_topk_sum_kernel")
+# The GEMM launches of each side (ours: w13 and w2 of every family; Marlin's two; vLLM's Triton kernel); every other
+# launch of a call is glue: routing, alignment, preparation, activation, gathers, top-k sums, clears and casts.
+GEMMS = ("_w13", "_w2", "Marlin", "fused_moe_kernel")
+
+
+def is_gemm(name: str) -> bool:
+    return any(marker in name for marker in GEMMS)
 
 
 def label(row: dict) -> str:
@@ -53,13 +59,13 @@ def times_table(rows: list[dict]) -> list[str]:
 
 
 def launches_table(rows: list[dict], variant: str = "project") -> list[str]:
-    """Per call: the total, the glue (routing, alignment, top-k sum) and its share, then every launch."""
+    """Per call: the total, the glue (every launch but the GEMMs) and its share, then every launch."""
     lines = [f"| model | M | call | glue | glue % | launches ({variant}, us per call) |", "|---" * 6 + "|"]
     for r in rows:
         rec = r["variants"].get(variant, {})
         if "launches" not in rec:
             continue
-        glue = sum(x["us"] for x in rec["launches"] if x["name"].startswith(GLUE))
+        glue = sum(x["us"] for x in rec["launches"] if not is_gemm(x["name"]))
         parts = "; ".join(f"{x['name']} {x['us']:.1f}" + (f" x{x['launches']:.0f}" if x["launches"] > 1.01 else "")
                           for x in rec["launches"])  # fmt: skip
         lines.append(

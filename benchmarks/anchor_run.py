@@ -1,0 +1,84 @@
+"""The same-process run against Marlin (../shared/bench-marlin, copied to .bench-marlin/) on the call users get,
+with every launch of every timed call.
+
+    ANCHOR_DEV=.bench-marlin/dev ANCHOR_PROJ=. python3 benchmarks/anchor_run.py [bench_anchor.py's arguments]
+    python3 benchmarks/anchor_report.py $OUT/anchor_results.json --launches
+
+The harness is a tool beside the project, and its README asks each checkout to adapt its own copy; this script
+makes the two changes without editing it, so every checkout measures the same way:
+
+- the project variant runs the layer as MoeBlock and the vLLM plugin do, from router logits through
+  ``repack.runtime.fused_moe.routed_moe`` (routing inside the call's first launch where that is faster:
+  runtime/kernels/align.py, decode.py), not ``route()`` and then ``fused_moe``;
+- every timed variant, Marlin's too, is profiled over the same CUDA graph (benchmarks/launch_profile.py), one row
+  per launch, which ``anchor_report.py --launches`` tabulates.
+
+The harness's parallel compile warm-up starts copies of itself; they run this script instead (same arguments), so
+they compile the kernels the timed process runs. ``ANCHOR_HARNESS`` points elsewhere than
+``.bench-marlin/bench_anchor.py``. Plumbing check on a CPU: the harness's ``--cpu-test`` (its README), through
+this script.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = Path(os.environ.get("ANCHOR_HARNESS", ROOT / ".bench-marlin" / "bench_anchor.py"))
+
+
+def load_harness(path: Path = HARNESS) -> ModuleType:
+    """The harness as a module (its ``main`` not run)."""
+    if not path.is_file():
+        sys.exit(f"error: no harness at {path}; copy ../shared/bench-marlin to .bench-marlin (its README) first")
+    spec = importlib.util.spec_from_file_location("bench_anchor", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_anchor"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def adapt(harness: ModuleType) -> None:
+    """Patch the harness in place: the project variant through routed_moe, every timing with its launches."""
+    make_variants, time_graph = harness.make_variants, harness.time_graph
+
+    def routed_variants(m, W, logits, xs, dtype, device, which):
+        variants = make_variants(m, W, logits, xs, dtype, device, which)
+        if "project" in variants:
+            from repack.runtime.fused_moe import routed_moe  # the harness's setup() has imported the checkout
+
+            _, copies, ctx, info = variants["project"]
+            stacks = W["project"]
+
+            def project(i):
+                return routed_moe(xs[i], stacks[i], logits, m.top_k, m.renorm)
+
+            variants["project"] = (project, copies, ctx, dict(info, entry="routed_moe"))
+        return variants
+
+    def profiled_time_graph(step, copies, *args, **kwargs):
+        record = time_graph(step, copies, *args, **kwargs)
+        if str(ROOT) not in sys.path:
+            sys.path.append(str(ROOT))  # appended: the checkout's repack/ must not hide the harness's package map
+        from benchmarks.launch_profile import profile_graph
+
+        record["launches"] = profile_graph(step, copies)
+        return record
+
+    harness.make_variants = routed_variants
+    harness.time_graph = profiled_time_graph
+    harness.__file__ = str(Path(__file__).resolve())  # the warm-up's children start this script, not the harness
+
+
+def main(argv: list[str] | None = None) -> None:
+    harness = load_harness()
+    adapt(harness)
+    harness.main(argv)
+
+
+if __name__ == "__main__":
+    main()
