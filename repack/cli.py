@@ -39,8 +39,19 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from repack import __version__  # noqa: E402
-from repack.formats.constants import ACTIVATION_DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION  # noqa: E402
+from repack.formats.constants import (  # noqa: E402
+    ACTIVATION_DTYPE_NAMES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+)
 from repack.formats.errors import RepackError, printable  # noqa: E402
+from repack.preflight import (  # noqa: E402
+    CONFIG_FILE,
+    check_convert_arguments,
+    check_converted_folder,
+    local_source,
+)
 
 INTERRUPTED = "error: interrupted; nothing was written to the output folder"
 
@@ -91,18 +102,19 @@ def _imports_uninterrupted() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-@contextmanager
-def one_line_errors(needs_torch: bool = False) -> Iterator[None]:
-    """Print known failures as ``error: <one line>`` on stderr and exit with a non-zero code.
+def import_torch() -> None:
+    """Import torch (seconds) with Ctrl-C held until it is done. Commands call it after the checks that need no
+    tensor (:mod:`repack.preflight`), so a mistyped path or an existing output answers at once."""
+    with _imports_uninterrupted():
+        import torch  # noqa: F401
 
-    ``needs_torch``: the command uses tensors, so torch (the slow import) is imported here, with Ctrl-C held;
-    commands without tensors (push, help) never import it."""
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Print known failures as ``error: <one line>`` on stderr and exit with a non-zero code."""
     try:
         with _imports_uninterrupted():
             from safetensors import SafetensorError
-
-            if needs_torch:
-                import torch  # noqa: F401
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         raise typer.Exit(130) from None
@@ -140,7 +152,13 @@ def convert(
     push: str | None = typer.Option(None, "--push", help="Then upload OUT to this Hub repo (see `repack push`)."),
     private: bool = typer.Option(False, "--private", help="With --push: create the repo private."),
 ) -> None:
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
+        check_convert_arguments(src, out, revision=revision, force=force, dry_run=dry_run, shard_size=shard_size)
+        if base_model is not None:
+            from repack.provenance import checked_repo_id
+
+            checked_repo_id(base_model, "--base-model")
+        import_torch()
         from rich.filesize import decimal
 
         from repack.convert import convert as run_convert
@@ -164,7 +182,10 @@ def convert(
         )
         if not dry_run and not quiet:
             Console(stderr=True).print(
-                f"wrote {out} ({len(result.output_files)} files, {decimal(result.output_bytes)})"
+                f"wrote {out} ({len(result.output_files)} files, {decimal(result.output_bytes)})",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
             )
         if access is not None:
             from repack.push import push_after_convert
@@ -180,7 +201,11 @@ def verify(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Check checksums against the manifest and, with --source, the bit-exact inverse of every tensor."""
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
+        check_converted_folder(out, MANIFEST_FILE)
+        if source is not None:
+            local_source(source, revision)
+        import_torch()
         from repack.verify import verify as run_verify
 
         report = run_verify(out, source, revision, quiet=quiet)
@@ -196,7 +221,9 @@ def verify(
 @app.command()
 def inspect(out: Path = typer.Argument(..., help="Output folder of repack convert.")) -> None:
     """Show format version, layers, experts, shapes, quantization, provenance and sizes."""
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
+        check_converted_folder(out, CONFIG_FILE)
+        import_torch()
         from repack.inspect_cmd import inspect_output
 
         Console().print(inspect_output(out))
@@ -229,9 +256,11 @@ def tune(
 
     Point REPACK_MOE_CONFIG_DIR at the folder (or copy the files into runtime/configs/) to use them.
     """
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
         if dtype not in ACTIVATION_DTYPE_NAMES:
             raise RepackError(f"--dtype {dtype}: use {' or '.join(ACTIVATION_DTYPE_NAMES)}")
+        check_converted_folder(checkpoint, CONFIG_FILE)
+        import_torch()
         import torch
 
         from repack.formats.checkpoint import read_repack_config
@@ -243,7 +272,7 @@ def tune(
             {(s.num_experts, s.hidden_size, s.intermediate_size, top_k) for s in stacks if s.kind == "routed"}
         )
         for path in tune_shapes(shapes, getattr(torch, dtype), out_dir):
-            Console().print(f"wrote {path}")
+            Console().print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("push")
@@ -270,11 +299,12 @@ def push(
     Arguments in the order of `hf upload REPO_ID [LOCAL_PATH]`; the older `repack push LOCAL_PATH REPO_ID` works too.
     """
     with one_line_errors():
+        folder, repo = push_arguments(repo_id, local_path)
+        check_converted_folder(Path(folder), MANIFEST_FILE)
         from rich.console import Console as RichConsole
 
         from repack.push import print_result, push_checkpoint
 
-        folder, repo = push_arguments(repo_id, local_path)
         result = push_checkpoint(
             Path(folder),
             repo,
