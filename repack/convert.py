@@ -51,7 +51,7 @@ from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
-from repack.preflight import check_output_target, missing_parents, parse_size, remove_created, shown
+from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
 from repack.progress import byte_progress
 from repack.provenance import source_record
 from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
@@ -544,6 +544,7 @@ def convert(
     if out.parent.is_dir():
         remove_stale_temps(out)  # first: it may put back an OUT that a killed --force run had moved away
     check_output_target(out, force, source.path)
+    check_readable(source.path, [copied.source for copied in plan.files_to_copy])
     created = missing_parents(out)  # removed again unless the run publishes OUT
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

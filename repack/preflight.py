@@ -71,6 +71,17 @@ def local_source(src: str, revision: str | None) -> Path | None:
     return None
 
 
+def check_readable(folder: Path, names: list[str]) -> None:
+    """Every file ``names`` (relative to ``folder``) that the conversion will read can be read: an unreadable one is
+    named before the work, not after the weights are written."""
+    for name in names:
+        if not os.access(folder / name, os.R_OK):
+            raise RepackError(
+                f"cannot read {shown(folder / name)}: {os.strerror(errno.EACCES)}; make the source readable (or "
+                "--exclude the file)"
+            )
+
+
 def _first_existing(path: Path) -> Path:
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
