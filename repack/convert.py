@@ -51,6 +51,7 @@ from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
+from repack.plan_view import describe_plan
 from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
 from repack.progress import byte_progress
 from repack.provenance import source_record
@@ -539,7 +540,7 @@ def convert(
     reader = CheckpointReader(source.path)
     plan = build_plan(source, reader, include, exclude)
     if dry_run:
-        (console or Console()).print(plan.describe())
+        (console or Console()).print(describe_plan(plan))
         return plan
     if out.parent.is_dir():
         remove_stale_temps(out)  # first: it may put back an OUT that a killed --force run had moved away
