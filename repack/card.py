@@ -24,7 +24,9 @@ import re
 from huggingface_hub import ModelCard, ModelCardData
 
 from repack import __version__
+from repack.display import architecture_names
 from repack.formats.constants import FORMAT_NAME, MANIFEST_FILE
+from repack.formats.errors import printable
 from repack.formats.hub import is_repo_id
 from repack.formats.manifest import Manifest
 from repack.model_files import SOURCE_README
@@ -93,7 +95,7 @@ def is_generated_card(text: str) -> bool:
 
 def escape_text(value: object) -> str:
     """Untrusted text as inert markdown: HTML escaped, markdown punctuation backslashed, on one line."""
-    text = " ".join(str(value).split())
+    text = printable(" ".join(str(value).split()))  # a file name's undecodable bytes as \udcff, not a crash
     return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=False))
 
 
@@ -139,7 +141,7 @@ def _format_section(manifest: Manifest, config: dict) -> str:
     stacks = [stack for stack in quant.get("stacks") or [] if isinstance(stack, dict)]
     routed = [stack for stack in stacks if stack.get("kind") == "routed"]
     shared = [stack for stack in stacks if stack.get("kind") == "shared"]
-    architectures = config.get("architectures") or [config.get("model_type", "unknown")]
+    architectures = architecture_names(config)
     rows = [
         ("format", f"{FORMAT_NAME} v{manifest.format_version}"),
         ("converter", f"moe-repack {escape_text(manifest.converter_version)}"),
