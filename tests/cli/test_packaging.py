@@ -91,3 +91,23 @@ def test_clean_venv_runs_cli_and_imports(wheel, tmp_path):
     assert version.returncode == 0 and version.stdout.startswith("repack (moe-repack) "), version.stderr
     assert "convert" in from_path("repack", "-h").stdout
     assert "Usage: repack convert" in from_path("repack", "convert", "--help").stdout
+
+
+def test_the_triton_range_pinned_is_the_one_tested():
+    """pyproject admits exactly the triton minor that CI runs (and the Makefile installs): 3.6, whose Gluon API the
+    sm_90 kernels are written against. A wider range would let pip pick an untested triton (3.9 in a clean venv)."""
+    import re
+    from importlib.metadata import version
+
+    import tomllib
+    from packaging.requirements import Requirement
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (triton,) = [Requirement(d) for d in dependencies if Requirement(d).name == "triton"]
+    assert version("triton") in triton.specifier, "the triton tests run on is outside the pinned range"
+    (make_pin,) = re.findall(r"triton==([\d.]+)", (REPO / "Makefile").read_text())
+    assert make_pin in triton.specifier
+    minor = ".".join(make_pin.split(".")[:2])
+    assert all(
+        v.startswith(minor + ".") for v in ("3.5.0", "3.6.0", "3.6.9", "3.7.0", "3.9.0") if v in triton.specifier
+    )
