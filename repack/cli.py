@@ -55,14 +55,28 @@ from repack.preflight import (  # noqa: E402
 
 INTERRUPTED = "error: interrupted; nothing was written to the output folder"
 
+
+def examples(*lines: str) -> str:
+    """A command's Examples section (shown after its options by --help), one command line per paragraph."""
+    return "Examples:\n\n" + "\n\n".join(lines)
+
+
 app = typer.Typer(
     name="repack",
     help=f"Convert GPTQ int4 Mixture-of-Experts checkpoints into the kernel-ready {FORMAT_NAME} format.",
     no_args_is_help=True,
+    epilog=examples(
+        "repack convert Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4 out/",
+        "repack verify out/ --source Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4",
+        "repack push myorg/qwen2-57b-repack out/ --dry-run",
+        "repack demo demo-out   # a tiny model: convert, verify, run, no network",
+    ),
     pretty_exceptions_enable=False,
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
 INCLUDE_HELP = "Also copy source files matching this glob (repeatable); the plan lists what is copied."
 EXCLUDE_HELP = "Do not copy source files matching this glob (repeatable)."
 
@@ -135,7 +149,16 @@ def one_line_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-@app.command(help=f"Convert a GPTQ MoE checkpoint into the {FORMAT_NAME} v{FORMAT_VERSION} layout.")
+@app.command(
+    help=f"Convert a GPTQ MoE checkpoint into the {FORMAT_NAME} v{FORMAT_VERSION} layout.",
+    epilog=examples(
+        "repack convert ./my-gptq-moe out/   # a local folder",
+        "repack convert Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4 out/   # a Hub id",
+        "repack convert ./my-gptq-moe out/ --dry-run   # the plan, nothing written",
+        "repack convert ./my-gptq-moe out/ --force --shard-size 2GB --include '*.md'",
+        "repack convert ./my-gptq-moe out/ --push myorg/my-moe-repack   # then upload",
+    ),
+)
 def convert(
     src: str = typer.Argument(..., help="Local GPTQ checkpoint folder or Hugging Face repo id (org/name)."),
     out: Path = typer.Argument(..., help="Output folder (created; must be empty unless --force)."),
@@ -193,7 +216,12 @@ def convert(
             push_after_convert(out, push, access, private=private, quiet=quiet)
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "repack verify out/   # every file against the manifest's sha256",
+        "repack verify out/ --source ./my-gptq-moe   # and the source, bit for bit",
+    )
+)
 def verify(
     out: Path = typer.Argument(..., help="Output folder of repack convert."),
     source: str | None = typer.Option(None, "--source", help="Source folder or Hub id: bit-exact inverse check."),
@@ -218,7 +246,7 @@ def verify(
         print(f"ok: {report.files_checked} output files match the manifest{detail}")
 
 
-@app.command()
+@app.command(epilog=examples("repack inspect out/"))
 def inspect(out: Path = typer.Argument(..., help="Output folder of repack convert.")) -> None:
     """Show format version, layers, experts, shapes, quantization, provenance and sizes."""
     with one_line_errors():
@@ -229,7 +257,7 @@ def inspect(out: Path = typer.Argument(..., help="Output folder of repack conver
         Console().print(inspect_output(out))
 
 
-@app.command()
+@app.command(epilog=examples("repack demo demo-out", "repack demo demo-out --force --no-generate"))
 def demo(
     out_dir: Path = typer.Argument(..., help="Folder for the demo (source/, converted/); must be empty."),
     force: bool = typer.Option(False, "--force", help="Replace the files of an earlier demo in OUT_DIR."),
@@ -246,7 +274,7 @@ def demo(
     demo_command(out_dir, force=force, generate=generate)
 
 
-@app.command()
+@app.command(epilog=examples("repack tune out/ --out tuned-configs --dtype bfloat16   # on that GPU"))
 def tune(
     checkpoint: Path = typer.Argument(..., help="A converted checkpoint: its routed-expert shapes are tuned."),
     out_dir: Path = typer.Option(Path("tuned-configs"), "--out", help="Where to write the JSON tables."),
@@ -275,7 +303,14 @@ def tune(
             Console().print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command("push")
+@app.command(
+    "push",
+    epilog=examples(
+        "repack push myorg/my-moe-repack out/ --dry-run   # files and card, no upload",
+        "repack push myorg/my-moe-repack out/ --private",
+        "repack push myorg/my-moe-repack out/ --create-pr --speed-table speeds.md",
+    ),
+)
 def push(
     repo_id: str = typer.Argument(..., help="Hub repo to push to, e.g. myorg/Qwen2-57B-A14B-repack (as `hf upload`)."),
     local_path: str = typer.Argument(".", help="A folder written by `repack convert` (default: this folder)."),
