@@ -23,8 +23,8 @@ COLUMNS = ("tensor", "shape", "dtype", "size", "from")
 
 def layer_prefix(names: list[str]) -> str:
     """The dotted prefix every name of a layer shares (``model.layers.3.``), or "" when they share none."""
-    if len(names) < 2:
-        return names[0].rsplit(".", 1)[0] + "." if names and "." in names[0] else ""
+    if len(names) < 2:  # a heading that names one tensor's own path would say nothing
+        return ""
     first, *rest = names
     parts = first.split(".")[:-1]
     for name in rest:
