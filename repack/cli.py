@@ -5,7 +5,8 @@ safetensors errors, OS errors, Ctrl-C) print a single ``error: ...`` line to std
 traceback is ever shown for them.
 
 Importing this module imports neither torch nor huggingface_hub: ``repack --help``, a mistyped argument and
-``repack push --dry-run`` do not pay seconds for them. Each command imports what it needs when it runs.
+``repack push --dry-run`` do not pay seconds for them. Each command first makes the checks that need no tensor
+(:mod:`repack.preflight`: missing folders, an existing output, options), then imports what it needs.
 """
 
 from __future__ import annotations
@@ -75,8 +76,6 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
 INCLUDE_HELP = "Also copy source files matching this glob (repeatable); the plan lists what is copied."
 EXCLUDE_HELP = "Do not copy source files matching this glob (repeatable)."
 

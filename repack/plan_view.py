@@ -2,8 +2,8 @@
 
 Tensors are listed layer by layer under a heading that names the layer's prefix once, so each line carries the
 part of the name that differs (``mlp.experts.w13_qweight``), then shape, dtype, size and where it comes from;
-the source files copied, left behind and written follow, then the totals. Every name is shown as text
-(:mod:`repack.display`), never as markup.
+the source files copied, left behind and written follow, then the source tensors of each stack, the totals.
+Every name is shown as text (:mod:`repack.display`), never as markup.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def _table(rows: list[tuple[str, ...]]) -> Table:
 
 
 def describe_plan(plan: Plan) -> Group:
-    """Title, one line per output tensor (under one heading per layer), the files, then the totals."""
+    """Title, one line per output tensor (under one heading per layer), the files, what each stack is stacked
+    from, then the totals."""
     rows: list[tuple[str, ...]] = []  # a heading is a row of one cell
     tensors = 0
     for group in plan.groups:
@@ -93,6 +94,16 @@ def describe_plan(plan: Plan) -> Group:
     table = _table(rows)
     for row in rows:
         table.add_row(*(plain(cell, style="bold" if len(row) == 1 else "") for cell in row))
+    sources = [Text("stacked from (stack <- source tensors: first .. last)", style="bold")]
+    for group in plan.groups:
+        for step in group.steps:
+            for stack in [] if isinstance(step, CopyTensor) else step.stacks:
+                modules = stack.info.source_modules
+                block = stack.info.prefix.rpartition(".")[0] + "."
+                first, last = (name.removeprefix(block) for name in (modules[0][0], modules[-1][-1]))
+                last = last.removeprefix(layer_prefix([first + ".x", last + ".x"]))  # the part that differs
+                line = f"  {stack.info.prefix} <- {len(stack.sources)}: {first} .. {last}"
+                sources.append(plain(line))
     stacks = plan.stacks
     title = Text.assemble("repack plan: ", plain(plan.source.label), f" ({plan.family})", style="bold")
     totals = (
@@ -100,4 +111,4 @@ def describe_plan(plan: Plan) -> Group:
         f"({sum(s.num_experts for s in stacks)} stacked experts), {len(plan.files_to_copy)} files copied"
     )
     note = "(--include GLOB copies a file not copied; --exclude GLOB leaves one out)" if plan.files_left_behind else ""
-    return Group(title, table, Text(totals), Text(note))
+    return Group(title, table, *(sources if len(sources) > 1 else []), Text(totals), Text(note))
