@@ -13,6 +13,7 @@ On a machine without a GPU the kernels run only in Triton's interpreter, which T
 imported (``TRITON_INTERPRET=1``); transformers imports triton (through torch._dynamo) before any quantizer runs. So
 a second one-shot hook sets ``TRITON_INTERPRET=1`` when triton is first imported by a torch that sees no GPU, as
 ``repack.runtime.load`` does when it runs first: the README's and the model card's snippets then run alike on a CPU.
+A TRITON_INTERPRET already set, to 0 too (compiling for a GPU on a machine without one), is left as it is.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from repack.convert import convert
 from tests.support.entry_point import run_repack
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.plan_text import tensor_lines
 
 
 def test_the_plan_is_one_line_per_tensor_at_80_columns(tmp_path):
@@ -22,14 +23,7 @@ def test_the_plan_is_one_line_per_tensor_at_80_columns(tmp_path):
     out = tmp_path / "out"
     convert(str(src), out, quiet=True)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    shown, prefix = {}, ""
-    for line in lines:
-        if line.startswith("  ") and "[" in line:  # a tensor: its name is the heading's prefix + the first word
-            name = prefix + line.split()[0]
-            assert name not in shown, name
-            shown[name] = line
-        elif line.strip() and not line.startswith(" "):  # a heading: "layer 3 (model.layers.3.*)", "other"
-            prefix = line.split(" (", 1)[1].rstrip().rstrip(")*") if line.rstrip().endswith("*)") else ""
+    shown = {name: lines[number] for name, number in tensor_lines(run.stdout).items()}
     assert set(shown) == set(index)
     for name, line in shown.items():
         with safe_open(out / index[name], "pt") as shard:
