@@ -18,7 +18,7 @@ VLLM_BROKEN := torchvision torchaudio torchcodec
 
 .PHONY: install wheel demo test test-vllm lint format bench-convert bench-moe device-wheels clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU wheel of torch first, so nothing below pulls a multi-GB CUDA build; triton as on the H200 we measure on.

@@ -40,7 +40,7 @@ def is_repo_id(text: object) -> bool:
 
 
 def looks_like_repo_id(src: str) -> bool:
-    return is_repo_id(src) and not src.startswith((".", "/", "~"))
+    return not src.startswith((".", "/", "~")) and is_repo_id(src)  # a path answers without huggingface_hub
 
 
 def download_snapshot(repo_id: str, revision: str | None) -> Path:

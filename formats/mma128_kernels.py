@@ -5,6 +5,10 @@ Why compiled: the permutation moves nibbles across the 16 words of a block, whic
 whole-array passes (or byte gathers); one loop that takes each output row's block from the 16 input rows, swaps it
 in registers and stores it once costs about what the plain transpose costs (benchmarks/RESULTS.md, "Conversion
 (CPU)"). ``nogil``: the converter's hashing and writing threads run meanwhile.
+
+The two entry loops are cached on disk where numba finds a writable place (``__pycache__`` beside this file, or
+``NUMBA_CACHE_DIR``, or the user's cache folder) and compiled afresh in each process where it finds none (a
+read-only install run by a user without a writable home): caching saves a second or so, it is never required.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ _BLOCK = 16  # words of one 128-input block
 # c=1 of the same (g, a, d) as the low and high half of one 64-bit integer, which is where steps 1-3 leave them
 # (mma128 words 8g + 4a + 2d + c, so 64-bit word 4g + 2a + d of the block): steps 1 and 2 then swap between two
 # such integers (d=0, d=1) and step 3 inside each, every operation serving two words.
+
+
+def _compiled_loop(function):
+    """``numba.njit(nogil=True)``, cached on disk when numba has somewhere to write the cache (see the docstring)."""
+    try:
+        return numba.njit(nogil=True, cache=True)(function)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available for file ..."
+        return numba.njit(nogil=True)(function)
 
 
 @numba.njit(inline="always")
@@ -67,7 +79,7 @@ def _from_mma128_pair(p, q):
     return _swap(p, q, nibble, _NIBBLES)
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled_loop
 def transpose_to_mma128(source, target):
     """Input-major "gptq" words ``source [R, N]`` (uint32) -> output-major "mma128" words ``target [N, R/2]`` (uint64,
     the view of ``[N, R]`` uint32 words)."""
@@ -84,7 +96,7 @@ def transpose_to_mma128(source, target):
                     block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled_loop
 def transpose_from_mma128(source, target):
     """Exact inverse of :func:`transpose_to_mma128`: output-major "mma128" ``source [N, R/2]`` (uint64) -> input-major
     "gptq" ``target [R, N]`` (uint32)."""

@@ -96,8 +96,13 @@ def _make_scheme(values: dict, where: str) -> GptqScheme:
             f"{where}: group_size {group} is not supported; supported: "
             f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (re-quantize with one of them)"
         )
+    if not isinstance(sym, bool):  # a string "false" would read as true
+        raise RepackError(f"{where}: sym {sym!r} is not a JSON boolean; write true or false")
     # GPTQModel writes the zero-point convention as `checkpoint_format`; `format` is its older synonym.
     declared = {key: values[key] for key in ("checkpoint_format", "format") if values.get(key)}
+    for key, value in declared.items():
+        if not isinstance(value, str):
+            raise RepackError(f"{where}: {key} {value!r} is not a string; write one of {', '.join(CHECKPOINT_FORMATS)}")
     if len(set(declared.values())) > 1:
         raise RepackError(
             f"{where}: checkpoint_format {declared['checkpoint_format']!r} and format {declared['format']!r} "
@@ -109,7 +114,7 @@ def _make_scheme(values: dict, where: str) -> GptqScheme:
             f"{where}: checkpoint_format {fmt!r} is not supported; supported: {', '.join(CHECKPOINT_FORMATS)} "
             "(save the model in GPTQ format)"
         )
-    return GptqScheme(bits=int(bits), group_size=int(group), sym=bool(sym), checkpoint_format=fmt)
+    return GptqScheme(bits=int(bits), group_size=int(group), sym=sym, checkpoint_format=fmt)
 
 
 def parse_quant_config(raw: dict | None, where: str) -> QuantConfig:

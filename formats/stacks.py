@@ -23,7 +23,7 @@ Both qweights of a stack share its ``word_order``; version 1 checkpoints are all
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -66,6 +66,9 @@ from .word_order import (  # noqa: F401 - MMA128_INDEX re-exported: this module 
 ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in ACTIVATION_DTYPE_NAMES)
 
 
+_JSON_TYPES = {"str": str, "int": int, "bool": bool}  # StackInfo's field annotations -> the type a value must have
+
+
 class StackInfoError(RepackError):
     """A ``stacks`` entry of config.json that cannot describe a stack: unknown or missing keys, or an impossible
     value. Readers prefix it with the file it came from."""
@@ -93,7 +96,12 @@ class StackInfo:
     word_order: str = GPTQ_ORDER  # nibble order of both qweights (WORD_ORDERS); absent in v1, which is all "gptq"
 
     def __post_init__(self) -> None:
-        """Refuse a word order this stack cannot have, so a bad config.json fails when read, not in a kernel."""
+        """Refuse a value of the wrong JSON type (``num_experts: "8"``) or a word order this stack cannot have, so a
+        bad config.json fails when read, not in a kernel."""
+        for item in fields(self):
+            value, wanted = getattr(self, item.name), _JSON_TYPES.get(item.type)
+            if wanted is not None and (not isinstance(value, wanted) or (wanted is int and isinstance(value, bool))):
+                raise StackInfoError(f"stack {self.prefix!r}: {item.name} {value!r} is not a JSON {item.type}")
         if self.word_order not in WORD_ORDERS:
             raise StackInfoError(f"stack {self.prefix}: word_order {self.word_order!r} is not one of {WORD_ORDERS}")
         if self.word_order == MMA128_ORDER and not _fits_mma128(self.bits, self.hidden_size, self.intermediate_size):

@@ -23,8 +23,10 @@ import re
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from repack import __version__
+from repack import SOURCE_URL
+from repack.display import architecture_names
 from repack.formats.constants import FORMAT_NAME, MANIFEST_FILE
+from repack.formats.errors import printable
 from repack.formats.hub import is_repo_id
 from repack.formats.manifest import Manifest
 from repack.model_files import SOURCE_README
@@ -37,8 +39,9 @@ _MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]()#!|~<>])")  # what could start ma
 
 
 def install_command() -> str:
-    """How to install this tool, as the README says: from its wheel (``make wheel`` in the moe-repack sources)."""
-    return f"pip install 'moe_repack-{__version__}-py3-none-any.whl[hf]'"
+    """How someone who has only the card installs this tool: pip, straight from the project's source repository
+    (moe-repack is not on PyPI), with the transformers extra."""
+    return f"pip install 'moe-repack[hf] @ git+{SOURCE_URL}'"
 
 
 def render_model_card(
@@ -93,7 +96,7 @@ def is_generated_card(text: str) -> bool:
 
 def escape_text(value: object) -> str:
     """Untrusted text as inert markdown: HTML escaped, markdown punctuation backslashed, on one line."""
-    text = " ".join(str(value).split())
+    text = printable(" ".join(str(value).split()))  # a file name's undecodable bytes as \udcff, not a crash
     return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=False))
 
 
@@ -139,7 +142,7 @@ def _format_section(manifest: Manifest, config: dict) -> str:
     stacks = [stack for stack in quant.get("stacks") or [] if isinstance(stack, dict)]
     routed = [stack for stack in stacks if stack.get("kind") == "routed"]
     shared = [stack for stack in stacks if stack.get("kind") == "shared"]
-    architectures = config.get("architectures") or [config.get("model_type", "unknown")]
+    architectures = architecture_names(config)
     rows = [
         ("format", f"{FORMAT_NAME} v{manifest.format_version}"),
         ("converter", f"moe-repack {escape_text(manifest.converter_version)}"),
@@ -195,10 +198,10 @@ def _loading_section(repo_id: str, manifest: Manifest) -> str:
     source_id = manifest.source.repo_id if is_repo_id(manifest.source.repo_id) else "<the source GPTQ folder>"
     return (
         "## How to load\n\n"
-        f"Install moe-repack with the transformers extra (its wheel: `make wheel` in the moe-repack sources): "
-        f"`{install_command()}`. Then run the MoE blocks with the "
-        "fused kernel directly (on a GPU; a CPU runs them in Triton's interpreter with `TRITON_INTERPRET=1`, "
-        "slowly):\n\n"
+        f"Install [moe-repack]({SOURCE_URL}) (this checkpoint was written by its version "
+        f"{escape_text(manifest.converter_version)}) with the transformers extra: `{install_command()}`. Then run the "
+        "MoE blocks with the "
+        "fused kernel directly (on a GPU; without one, in Triton's interpreter, slowly):\n\n"
         "```python\n"
         "import torch\n"
         "from huggingface_hub import snapshot_download\n"
@@ -207,11 +210,11 @@ def _loading_section(repo_id: str, manifest: Manifest) -> str:
         f'ckpt = load(snapshot_download("{repo_id}"), device=device)\n'
         "block = ckpt.moe_block(ckpt.moe_layers[0])  # nn.Module: [tokens, hidden] -> [tokens, hidden]\n"
         "```\n\n"
-        "or through transformers, once `import repack.runtime` has registered the `repack` quantization "
-        "method (the weights go to the GPU, or stay on the CPU when there is none):\n\n"
+        "or through plain transformers: installing moe-repack registers its `repack` quantization method with "
+        "transformers in every Python of that environment (the weights go to the GPU, or stay on the CPU when there "
+        "is none; without moe-repack, transformers does not know this format and must not be used on it):\n\n"
         "```python\n"
         "import torch\n"
-        "import repack.runtime  # noqa: F401  (registers quant_method 'repack' with transformers)\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype=torch.float16)\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'

@@ -5,7 +5,8 @@ safetensors errors, OS errors, Ctrl-C) print a single ``error: ...`` line to std
 traceback is ever shown for them.
 
 Importing this module imports neither torch nor huggingface_hub: ``repack --help``, a mistyped argument and
-``repack push --dry-run`` do not pay seconds for them. Each command imports what it needs when it runs.
+``repack push --dry-run`` do not pay seconds for them. Each command first makes the checks that need no tensor
+(:mod:`repack.preflight`: missing folders, an existing output, options), then imports what it needs.
 """
 
 from __future__ import annotations
@@ -39,15 +40,38 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from repack import __version__  # noqa: E402
-from repack.formats.constants import ACTIVATION_DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION  # noqa: E402
+from repack.formats.constants import (  # noqa: E402
+    ACTIVATION_DTYPE_NAMES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+)
 from repack.formats.errors import RepackError, printable  # noqa: E402
+from repack.preflight import (  # noqa: E402
+    CONFIG_FILE,
+    check_convert_arguments,
+    check_converted_folder,
+    local_source,
+)
 
 INTERRUPTED = "error: interrupted; nothing was written to the output folder"
+
+
+def examples(*lines: str) -> str:
+    """A command's Examples section (shown after its options by --help), one command line per paragraph."""
+    return "Examples:\n\n" + "\n\n".join(lines)
+
 
 app = typer.Typer(
     name="repack",
     help=f"Convert GPTQ int4 Mixture-of-Experts checkpoints into the kernel-ready {FORMAT_NAME} format.",
     no_args_is_help=True,
+    epilog=examples(
+        "repack convert Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4 out/",
+        "repack verify out/ --source Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4",
+        "repack push myorg/qwen2-57b-repack out/ --dry-run",
+        "repack demo demo-out   # a tiny model: convert, verify, run, no network",
+    ),
     pretty_exceptions_enable=False,
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -91,18 +115,19 @@ def _imports_uninterrupted() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-@contextmanager
-def one_line_errors(needs_torch: bool = False) -> Iterator[None]:
-    """Print known failures as ``error: <one line>`` on stderr and exit with a non-zero code.
+def import_torch() -> None:
+    """Import torch (seconds) with Ctrl-C held until it is done. Commands call it after the checks that need no
+    tensor (:mod:`repack.preflight`), so a mistyped path or an existing output answers at once."""
+    with _imports_uninterrupted():
+        import torch  # noqa: F401
 
-    ``needs_torch``: the command uses tensors, so torch (the slow import) is imported here, with Ctrl-C held;
-    commands without tensors (push, help) never import it."""
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Print known failures as ``error: <one line>`` on stderr and exit with a non-zero code."""
     try:
         with _imports_uninterrupted():
             from safetensors import SafetensorError
-
-            if needs_torch:
-                import torch  # noqa: F401
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         raise typer.Exit(130) from None
@@ -123,7 +148,16 @@ def one_line_errors(needs_torch: bool = False) -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-@app.command(help=f"Convert a GPTQ MoE checkpoint into the {FORMAT_NAME} v{FORMAT_VERSION} layout.")
+@app.command(
+    help=f"Convert a GPTQ MoE checkpoint into the {FORMAT_NAME} v{FORMAT_VERSION} layout.",
+    epilog=examples(
+        "repack convert ./my-gptq-moe out/   # a local folder",
+        "repack convert Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4 out/   # a Hub id",
+        "repack convert ./my-gptq-moe out/ --dry-run   # the plan, nothing written",
+        "repack convert ./my-gptq-moe out/ --force --shard-size 2GB --include '*.md'",
+        "repack convert ./my-gptq-moe out/ --push myorg/my-moe-repack   # then upload",
+    ),
+)
 def convert(
     src: str = typer.Argument(..., help="Local GPTQ checkpoint folder or Hugging Face repo id (org/name)."),
     out: Path = typer.Argument(..., help="Output folder (created; must be empty unless --force)."),
@@ -140,7 +174,13 @@ def convert(
     push: str | None = typer.Option(None, "--push", help="Then upload OUT to this Hub repo (see `repack push`)."),
     private: bool = typer.Option(False, "--private", help="With --push: create the repo private."),
 ) -> None:
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
+        check_convert_arguments(src, out, revision=revision, force=force, dry_run=dry_run, shard_size=shard_size)
+        if base_model is not None:
+            from repack.provenance import checked_repo_id
+
+            checked_repo_id(base_model, "--base-model")
+        import_torch()
         from rich.filesize import decimal
 
         from repack.convert import convert as run_convert
@@ -164,7 +204,10 @@ def convert(
         )
         if not dry_run and not quiet:
             Console(stderr=True).print(
-                f"wrote {out} ({len(result.output_files)} files, {decimal(result.output_bytes)})"
+                f"wrote {out} ({len(result.output_files)} files, {decimal(result.output_bytes)})",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
             )
         if access is not None:
             from repack.push import push_after_convert
@@ -172,7 +215,12 @@ def convert(
             push_after_convert(out, push, access, private=private, quiet=quiet)
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "repack verify out/   # every file against the manifest's sha256",
+        "repack verify out/ --source ./my-gptq-moe   # and the source, bit for bit",
+    )
+)
 def verify(
     out: Path = typer.Argument(..., help="Output folder of repack convert."),
     source: str | None = typer.Option(None, "--source", help="Source folder or Hub id: bit-exact inverse check."),
@@ -180,7 +228,11 @@ def verify(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Check checksums against the manifest and, with --source, the bit-exact inverse of every tensor."""
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
+        check_converted_folder(out, MANIFEST_FILE)
+        if source is not None:
+            local_source(source, revision)
+        import_torch()
         from repack.verify import verify as run_verify
 
         report = run_verify(out, source, revision, quiet=quiet)
@@ -193,16 +245,18 @@ def verify(
         print(f"ok: {report.files_checked} output files match the manifest{detail}")
 
 
-@app.command()
+@app.command(epilog=examples("repack inspect out/"))
 def inspect(out: Path = typer.Argument(..., help="Output folder of repack convert.")) -> None:
     """Show format version, layers, experts, shapes, quantization, provenance and sizes."""
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
+        check_converted_folder(out, CONFIG_FILE)
+        import_torch()
         from repack.inspect_cmd import inspect_output
 
         Console().print(inspect_output(out))
 
 
-@app.command()
+@app.command(epilog=examples("repack demo demo-out", "repack demo demo-out --force --no-generate"))
 def demo(
     out_dir: Path = typer.Argument(..., help="Folder for the demo (source/, converted/); must be empty."),
     force: bool = typer.Option(False, "--force", help="Replace the files of an earlier demo in OUT_DIR."),
@@ -219,7 +273,7 @@ def demo(
     demo_command(out_dir, force=force, generate=generate)
 
 
-@app.command()
+@app.command(epilog=examples("repack tune out/ --out tuned-configs --dtype bfloat16   # on that GPU"))
 def tune(
     checkpoint: Path = typer.Argument(..., help="A converted checkpoint: its routed-expert shapes are tuned."),
     out_dir: Path = typer.Option(Path("tuned-configs"), "--out", help="Where to write the JSON tables."),
@@ -229,9 +283,11 @@ def tune(
 
     Point REPACK_MOE_CONFIG_DIR at the folder (or copy the files into runtime/configs/) to use them.
     """
-    with one_line_errors(needs_torch=True):
+    with one_line_errors():
         if dtype not in ACTIVATION_DTYPE_NAMES:
             raise RepackError(f"--dtype {dtype}: use {' or '.join(ACTIVATION_DTYPE_NAMES)}")
+        check_converted_folder(checkpoint, CONFIG_FILE)
+        import_torch()
         import torch
 
         from repack.formats.checkpoint import read_repack_config
@@ -243,10 +299,17 @@ def tune(
             {(s.num_experts, s.hidden_size, s.intermediate_size, top_k) for s in stacks if s.kind == "routed"}
         )
         for path in tune_shapes(shapes, getattr(torch, dtype), out_dir):
-            Console().print(f"wrote {path}")
+            Console().print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command("push")
+@app.command(
+    "push",
+    epilog=examples(
+        "repack push myorg/my-moe-repack out/ --dry-run   # files and card, no upload",
+        "repack push myorg/my-moe-repack out/ --private",
+        "repack push myorg/my-moe-repack out/ --create-pr --speed-table speeds.md",
+    ),
+)
 def push(
     repo_id: str = typer.Argument(..., help="Hub repo to push to, e.g. myorg/Qwen2-57B-A14B-repack (as `hf upload`)."),
     local_path: str = typer.Argument(".", help="A folder written by `repack convert` (default: this folder)."),
@@ -270,11 +333,12 @@ def push(
     Arguments in the order of `hf upload REPO_ID [LOCAL_PATH]`; the older `repack push LOCAL_PATH REPO_ID` works too.
     """
     with one_line_errors():
+        folder, repo = push_arguments(repo_id, local_path)
+        check_converted_folder(Path(folder), MANIFEST_FILE)
         from rich.console import Console as RichConsole
 
         from repack.push import print_result, push_checkpoint
 
-        folder, repo = push_arguments(repo_id, local_path)
         result = push_checkpoint(
             Path(folder),
             repo,

@@ -18,7 +18,6 @@ import datetime as dt
 import errno
 import hashlib
 import os
-import re
 import shutil
 import signal
 import threading
@@ -52,32 +51,17 @@ from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
 from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
+from repack.plan_view import describe_plan
+from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
 from repack.progress import byte_progress
 from repack.provenance import source_record
 from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
 from repack.source import SourceCheckpoint, resolve_source
 
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 HASHER_LEAD_BYTES = 2 * 10**9  # how far the source hasher may read ahead of the converter
 PREFETCH_BYTES = 64 << 20  # how far ahead of its reads the source hasher asks the kernel to read
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2**20, '1000' -> 1000."""
-    match = _SIZE.match(text)
-    if not match:
-        raise RepackError(f"--shard-size {text!r}: expected a size like 5GB, 500MB or 2GiB")
-    unit = (match[2] or "").lower().rstrip("b")
-    binary = unit.endswith("i")
-    unit = unit.rstrip("i")
-    scale = 1024 ** " kmgt".index(unit or " ") if binary else _UNITS[unit]
-    size = int(float(match[1]) * scale)
-    if size <= 0:
-        raise RepackError(f"--shard-size {text!r}: must be more than 0 bytes")
-    return size
 
 
 def temp_folder_for(out: Path) -> Path:
@@ -98,24 +82,6 @@ def remove_stale_temps(out: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)  # the new OUT was published; this is the leftover
             else:
                 path.rename(out)
-
-
-def check_output_target(out: Path, force: bool, source: Path | None = None) -> None:
-    """OUT may be created or (with --force) replaced; never when it is, holds, or lies inside the source."""
-    if source is not None:
-        src, dst = source.resolve(), out.resolve()
-        if dst == src or dst in src.parents or src in dst.parents:
-            raise RepackError(
-                f"{out}: the output folder must not be, contain or lie inside the source {source}; choose a "
-                "separate output folder"
-            )
-    if out.exists() and not out.is_dir():
-        raise RepackError(f"{out}: exists and is a file; choose another output folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise RepackError(f"{out}: output folder exists and is not empty; pass --force to replace it")
-    parent = out.parent
-    if parent.exists() and not parent.is_dir():
-        raise RepackError(f"{out}: cannot create it, {parent} is not a folder; choose another output path")
 
 
 def check_free_space(plan: Plan, folder: Path) -> None:
@@ -141,9 +107,19 @@ def disk_errors(target: Callable[[], str], plan: Plan, folder: Path) -> Iterator
                 f"disk full writing {target()}: free {decimal(free)}, need ~{decimal(need)}; free some "
                 "space or choose another output folder"
             ) from None
+        if error.filename is not None and not _is_under(Path(os.fsdecode(error.filename)), folder):
+            raise RepackError(
+                f"cannot read {shown(os.fsdecode(error.filename))}: {error.strerror}; make the source readable"
+            ) from None
         if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise RepackError(f"cannot write {target()}: {error.strerror}; choose a writable output folder") from None
         raise
+
+
+def _is_under(path: Path, folder: Path) -> bool:
+    """Whether ``path`` (an error's file) lies in ``folder`` (the work folder): a write, not a read, failed."""
+    path, folder = path.absolute(), folder.absolute()
+    return path == folder or folder in path.parents
 
 
 class SourceHasher:
@@ -564,15 +540,18 @@ def convert(
     reader = CheckpointReader(source.path)
     plan = build_plan(source, reader, include, exclude)
     if dry_run:
-        (console or Console()).print(plan.describe())
+        (console or Console()).print(describe_plan(plan))
         return plan
     if out.parent.is_dir():
         remove_stale_temps(out)  # first: it may put back an OUT that a killed --force run had moved away
     check_output_target(out, force, source.path)
+    check_readable(source.path, [copied.source for copied in plan.files_to_copy])
+    created = missing_parents(out)  # removed again unless the run publishes OUT
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         work = WorkFolder(temp_folder_for(out))
     except OSError as error:
+        remove_created(created)
         raise RepackError(f"cannot write output folder {out}: {error.strerror}; choose a writable location") from None
     temp, old, published = work.path, None, False
     try:
@@ -593,6 +572,7 @@ def convert(
     except KeyboardInterrupt:
         if not published:
             shutil.rmtree(temp, ignore_errors=True)
+            remove_created(created)
             raise
         remove_tree(old)
         raise InterruptedAfterPublish(
@@ -601,6 +581,7 @@ def convert(
     except BaseException:
         if not published:
             shutil.rmtree(temp, ignore_errors=True)
+            remove_created(created)
         raise
     finally:
         work.close()

@@ -34,6 +34,7 @@ from rich.filesize import decimal
 from rich.table import Table
 from safetensors import safe_open
 
+from repack.display import plain
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, dequantize
 
@@ -253,7 +254,7 @@ def summary_table(report: DemoReport) -> Table:
     table.add_column("what")
     table.add_column("result")
     for what, detail in report.facts.items():
-        table.add_row(what, detail)
+        table.add_row(what, plain(detail))  # holds the folders' paths: text, not markup
     for step, seconds in report.seconds.items():
         table.add_row(f"time: {step}", f"{seconds:.1f} s")
     table.add_row("time: total", f"{sum(report.seconds.values()):.1f} s")
@@ -294,7 +295,7 @@ def run_demo(
 
     console.rule("1. tiny GPTQ Qwen2-MoE (int4, group 32, act-order)")
     report.timed("write source", lambda: write_demo_checkpoint(source_dir))
-    console.print(f"  {source_dir}")
+    console.print(f"  {source_dir}", markup=False)
     console.rule("2. convert")
     manifest = report.timed("convert", lambda: convert(str(source_dir), converted, quiet=False, console=console))
     converted_bytes = manifest.output_bytes
@@ -303,7 +304,7 @@ def run_demo(
     console.rule("3. verify bit for bit")
     verified = report.timed("verify", lambda: verify(converted, source=str(source_dir)))
     report.check("verify", True, f"{verified.files_checked} files, {verified.tensors_compared} tensors bit-exact")
-    console.print(f"  {converted}: {report.facts['verify']} (a mismatch raises and stops the demo)")
+    console.print(f"  {converted}: {report.facts['verify']} (a mismatch raises and stops the demo)", markup=False)
     source = read_source(source_dir)
     console.rule(f"4. MoE blocks on the runtime ({device}) vs float32 source")
     report.timed("MoE blocks", lambda: check_block_agreement(converted, source, device, report, console))

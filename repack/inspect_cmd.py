@@ -1,4 +1,6 @@
-"""``repack inspect OUT``: what a converted checkpoint holds, as rich tables (no tensor data read)."""
+"""``repack inspect OUT``: what a converted checkpoint holds, as rich tables (no tensor data read).
+
+Every value comes from the checkpoint's files, so each cell is literal text (:mod:`repack.display`), never markup."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from rich.console import Group
 from rich.filesize import decimal
 from rich.table import Table
 
+from repack.display import architecture_names, plain
 from repack.formats.checkpoint import read_repack_config
 from repack.formats.manifest import Manifest
 from repack.formats.stacks import StackInfo
@@ -28,12 +31,12 @@ def inspect_output(out: str | Path) -> Group:
     manifest = Manifest.read(out)
     source = manifest.source
 
-    summary = Table(title=f"{out}", show_header=False)
+    summary = Table(title=plain(out), show_header=False)
     summary.add_column("key", style="bold")
     summary.add_column("value", overflow="fold")
     rows = [
         ("format", f"{quant.get('format')} v{quant.get('format_version')}"),
-        ("architecture", f"{config.get('model_type')} ({', '.join(config.get('architectures') or [])})"),
+        ("architecture", f"{config.get('model_type')} ({', '.join(architecture_names(config))})"),
         ("layers", str(config.get("num_hidden_layers"))),
         ("MoE layers", str(len({s.prefix.rsplit(".", 1)[0] for s in stacks}))),
         ("stacks", f"{len(stacks)} ({sum(s.num_experts for s in stacks)} stacked experts)"),
@@ -47,22 +50,12 @@ def inspect_output(out: str | Path) -> Group:
         ("size", f"{decimal(manifest.output_bytes)} in {len(manifest.output_files)} files"),
     ]
     for key, value in rows:
-        summary.add_row(key, value)
+        summary.add_row(key, plain(value))
 
     table = Table(title="expert stacks")
     for column in ("prefix", "kind", "E", "H", "I", "bits", "group", "sym", "zeros", "act-order w13/w2"):
         table.add_column(column, overflow="fold")
     for s in stacks:
-        table.add_row(
-            s.prefix,
-            s.kind,
-            str(s.num_experts),
-            str(s.hidden_size),
-            str(s.intermediate_size),
-            str(s.bits),
-            str(s.group_size),
-            str(s.sym),
-            s.checkpoint_format,
-            f"{s.act_order_w13}/{s.act_order_w2}",
-        )
+        cells = (s.prefix, s.kind, s.num_experts, s.hidden_size, s.intermediate_size, s.bits, s.group_size, s.sym)
+        table.add_row(*map(plain, cells), plain(s.checkpoint_format), plain(f"{s.act_order_w13}/{s.act_order_w2}"))
     return Group(summary, table)

@@ -2,7 +2,7 @@
 
 Building a :class:`Plan` reads only safetensors headers and the small ``g_idx`` tensors (to decide
 act-order), and validates every expert linear's shapes with ``check_linear``; nothing large is loaded.
-``repack convert --dry-run`` prints :meth:`Plan.describe`, and :mod:`repack.convert` executes it.
+``repack convert --dry-run`` prints it (:mod:`repack.plan_view`), and :mod:`repack.convert` executes it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import re
 from dataclasses import dataclass, field, replace
 
 import torch
-from rich.filesize import decimal
-from rich.table import Table
 
 from repack.families import MoeLayer, detect_family, find_moe_layers
 from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, PlannedTensor
@@ -153,59 +151,9 @@ class Plan:
     def copied_file_bytes(self) -> int:
         return sum((self.source.path / copied.source).stat().st_size for copied in self.files_to_copy)
 
-    def describe(self) -> Table:
-        """Every output tensor with its shape, dtype, size and sources, then the copied files and totals."""
-        table = Table(title=f"repack plan: {self.source.label} ({self.family})", show_lines=False)
-        for column in ("layer", "output tensor", "shape", "dtype", "size", "from"):
-            table.add_column(column, overflow="fold")
-        tensors = 0
-        for group in self.groups:
-            for step in group.steps:
-                rows = _rows(step)
-                for tensor in step.planned_tensors():
-                    dtype, origin = rows[tensor.name]
-                    shape, size = str(list(tensor.shape)), decimal(tensor.nbytes)
-                    table.add_row(group.label, tensor.name, shape, dtype, size, origin)
-                    tensors += 1
-        for copied in self.files_to_copy:
-            size = decimal((self.source.path / copied.source).stat().st_size)
-            origin = "copy" if copied.output == copied.source else f"copy of {copied.source}"
-            table.add_row("file", copied.output, "", "", size, origin)
-        for name in self.files_left_behind:
-            table.add_row("file", name, "", "", "", "not copied (--include to copy)")
-        table.add_row("file", CONFIG_FILE, "", "", "", "rewritten (quantization_config)")
-        table.add_row("file", INDEX_FILE + ", " + MANIFEST_FILE, "", "", "", "written")
-        stacks = self.stacks
-        table.caption = (
-            f"{tensors} tensors, {decimal(self.output_bytes)} of weights; {len(stacks)} stacks "
-            f"({sum(s.num_experts for s in stacks)} stacked experts), {len(self.files_to_copy)} files copied"
-        )
-        return table
-
 
 def _stacks_of(step: Step) -> list[PackStack]:
     return [] if isinstance(step, CopyTensor) else step.stacks
-
-
-def _rows(step: Step) -> dict[str, tuple[str, str]]:
-    """output tensor name -> (dtype, where it comes from), as the dry-run table prints them."""
-    if isinstance(step, CopyTensor):
-        return {step.name: (step.dtype, "copy")}
-    rows = {
-        name: (dtype, _describe_sources(stack)) for stack in step.stacks for name, (_, dtype) in stack.outputs.items()
-    }
-    for tensor in step.planned_tensors():
-        if tensor.follows is not None:
-            dtype, origin = rows[tensor.name]
-            rows[tensor.name] = (dtype, f"{origin}; stored right after {'.'.join(tensor.follows.split('.')[-2:])}")
-    return rows
-
-
-def _describe_sources(step: PackStack) -> str:
-    modules = step.info.source_modules
-    first, last = modules[0][0], modules[-1][-1]
-    chunks = f", {step.info.num_experts} chunks" if step.info.kind == SHARED else ""
-    return f"{len(step.sources)} tensors of {len(modules)} expert(s){chunks}: {first} .. {last}"
 
 
 def build_plan(

@@ -1,10 +1,12 @@
 """Where a conversion comes from, as the manifest records it and the model card publishes it.
 
-The card's ``base_model`` (with ``base_model_relation: quantized``) links a checkpoint to its model on the Hub.
-Most people download a checkpoint before converting it, so the Hub id is found, in this order: ``--base-model``,
-the Hub id the source was resolved from, the repo a folder inside the Hugging Face cache belongs to
-(``models--org--name/snapshots/<commit>``), the ``base_model`` the source's own card names. A local absolute path
-is never recorded: the manifest and the card are published with the checkpoint.
+The card's ``base_model`` (with ``base_model_relation: quantized``) links a checkpoint to the model it quantizes on
+the Hub. One rule, so the same files get the same answer however they were named (a local folder, a Hub id, a
+folder inside the Hugging Face cache): ``--base-model``; else the ``base_model`` the source's own card names (what
+the GPTQ checkpoint itself says it quantizes); else the Hub repo the source came from (the Hub id it was resolved
+from, or the repo a folder inside the cache belongs to: ``models--org--name/snapshots/<commit>``), the nearest
+ancestor known; else none. A local absolute path is never recorded: the manifest and the card are published with
+the checkpoint.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def source_record(
     """The manifest's ``source``: the Hub id and commit, or only the local folder's name, and the base model."""
     if base_model is not None:
         checked_repo_id(base_model, "--base-model")
-    found = base_model or repo_id or cache_repo_id(folder) or card_base_model(folder)
+    found = base_model or card_base_model(folder) or repo_id or cache_repo_id(folder)
     return SourceRecord(
         repo_id=repo_id,
         revision=revision,

@@ -32,8 +32,9 @@ from rich.filesize import decimal
 from rich.table import Table
 
 from repack.card import is_generated_card, render_model_card
+from repack.display import plain
 from repack.formats.constants import CARD_FILE, FORMAT_NAME, INDEX_FILE, MANIFEST_FILE
-from repack.formats.errors import RepackError
+from repack.formats.errors import RepackError, printable
 from repack.formats.manifest import Manifest, check_file
 from repack.model_files import SOURCE_README, matches_any
 from repack.progress import byte_progress
@@ -184,6 +185,15 @@ def is_required_upload(name: str) -> bool:
     return name in (CONFIG_NAME, INDEX_FILE) or name.endswith(".safetensors")
 
 
+def is_utf8(name: str) -> bool:
+    """Whether a file name (as Python decoded it from the disk) is valid UTF-8: the only names the Hub takes."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def select_uploads(manifest: Manifest, include: list[str] = (), exclude: list[str] = ()) -> list[str]:
     """The manifest's files to upload, narrowed by ``hf upload``-style ``--include``/``--exclude`` globs.
 
@@ -193,6 +203,11 @@ def select_uploads(manifest: Manifest, include: list[str] = (), exclude: list[st
         wanted = (not include or matches_any(name, include)) and not matches_any(name, exclude)
         if not wanted and is_required_upload(name):
             raise RepackError(f"--include/--exclude would leave out {name}, which the checkpoint needs; narrow them")
+        if wanted and not is_utf8(name):
+            raise RepackError(
+                f"{printable(name)}: the Hub takes only UTF-8 file names; leave the file out (--exclude) or "
+                "re-convert with the file renamed"
+            )
         if wanted:
             selected.append(name)
     return selected
@@ -300,15 +315,15 @@ def print_result(result: PushResult, console: Console) -> None:
             soft_wrap=True,
         )
         return
-    table = Table(title=f"dry run: would upload to {plan.repo_id}")
+    table = Table(title=plain(f"dry run: would upload to {plan.repo_id}"))
     table.add_column("file")
     table.add_column("size", justify="right")
     for upload in plan.files:
-        table.add_row(upload.name, decimal(upload.size))
+        table.add_row(plain(upload.name), decimal(upload.size))  # a file's name is text, never markup
     table.add_row(f"{len(plan.files)} files", decimal(plan.total_bytes))
     console.print(table)
     if plan.not_uploaded:
-        skipped = ", ".join(plan.not_uploaded)
+        skipped = printable(", ".join(plan.not_uploaded))
         console.print(f"not uploaded (not in the manifest, or left out): {skipped}", markup=False, soft_wrap=True)
     card_note = "would write" if plan.write_card else "unchanged"
     console.print(f"{CARD_FILE} ({card_note}):", markup=False)

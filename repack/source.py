@@ -14,8 +14,9 @@ from pathlib import Path
 
 from repack.formats.checkpoint import CONFIG_FILE, read_config
 from repack.formats.errors import RepackError
-from repack.formats.hub import download_snapshot, looks_like_repo_id
+from repack.formats.hub import download_snapshot
 from repack.formats.paths import check_inside, tree_root
+from repack.preflight import local_source
 
 QUANTIZE_CONFIG_FILE = "quantize_config.json"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -73,19 +74,13 @@ def read_quantization_config(folder: Path, config: dict) -> tuple[dict | None, s
 
 def resolve_source(src: str, revision: str | None = None) -> SourceCheckpoint:
     """Local folder or Hub repo id -> :class:`SourceCheckpoint` (config read, files listed)."""
-    local = Path(src).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise RepackError(f"{src}: is a file; pass the checkpoint folder that holds config.json")
-        if revision:
-            raise RepackError(f"{src}: --revision only applies to Hub repo ids, not local folders")
+    local = local_source(src, revision)
+    if local is not None:
         folder, repo_id, commit = local, None, None
-    elif looks_like_repo_id(src):
+    else:
         folder = download_snapshot(src, revision)
         repo_id = src
         commit = folder.name if _COMMIT.match(folder.name) else revision
-    else:
-        raise RepackError(f"{src}: no such folder, and not a Hub repo id (org/name); check the path")
     config = read_config(folder)
     quant, quant_file = read_quantization_config(folder, config)
     return SourceCheckpoint(

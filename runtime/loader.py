@@ -193,7 +193,10 @@ class RepackCheckpoint:
     @property
     def text_config(self) -> dict:
         """The language model's config (multimodal configs nest it under ``text_config``)."""
-        return self.config.get("text_config", self.config)
+        text = self.config.get("text_config", self.config)
+        if not isinstance(text, dict):
+            raise RepackError(f"{self.path}/config.json: text_config is not an object; fix config.json")
+        return text
 
     @property
     def num_layers(self) -> int:

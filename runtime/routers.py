@@ -35,7 +35,22 @@ class RouterSpec:
 
 
 def router_spec(config: dict) -> RouterSpec:
-    """The router of a (text) model config; an unsupported ``model_type`` is a one-line RepackError."""
+    """The router of a (text) model config; an unsupported ``model_type``, a missing key or a value of the wrong
+    type is a one-line RepackError."""
+    if not isinstance(config, dict):
+        raise RepackError(f"config.json: the text config is {type(config).__name__}, not an object; fix config.json")
+    try:
+        return _router_spec(config)
+    except KeyError as error:
+        raise RepackError(
+            f"config.json: {error.args[0]!r} is missing; the MoE router needs it (fix config.json)"
+        ) from None
+    except (TypeError, ValueError) as error:
+        cause = " ".join(str(error).split())
+        raise RepackError(f"config.json: a router setting has the wrong type ({cause}); fix config.json") from None
+
+
+def _router_spec(config: dict) -> RouterSpec:
     model_type = config.get("model_type")
     top_k = int(config["num_experts_per_tok"])
     if model_type in ("qwen2_moe", "qwen3_moe"):

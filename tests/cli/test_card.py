@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from markdown_it import MarkdownIt
 
@@ -18,6 +20,7 @@ SOURCE_FILES = {
     "model.safetensors": {"sha256": "b" * 64, "size": 987654},
     "tokenizer.json": {"sha256": "c" * 64, "size": 4321},
 }
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -107,17 +110,29 @@ def test_body_states_format_source_revision_and_every_source_checksum():
     assert sum(token.type == "table_open" for token in tokens) == 2  # format table + checksum table
 
 
-def test_load_snippets_use_the_runtime_and_register_with_transformers_first():
+def test_load_snippets_use_the_runtime_and_plain_transformers():
     _, body = split_card(
         render_model_card(hub_manifest(), repack_config(), repo_id="myorg/qwen-repack", speed_table=None)
     )
     runtime_snippet, transformers_snippet = fenced_code(body, "python")
     assert "from repack.runtime import load" in runtime_snippet
     assert 'snapshot_download("myorg/qwen-repack")' in runtime_snippet
-    registration = transformers_snippet.index("import repack.runtime")
-    assert registration < transformers_snippet.index('AutoModelForCausalLM.from_pretrained("myorg/qwen-repack"')
+    assert "repack" not in transformers_snippet.replace("myorg/qwen-repack", "")  # moe-repack registers itself
+    assert 'AutoModelForCausalLM.from_pretrained("myorg/qwen-repack"' in transformers_snippet
     for snippet in (runtime_snippet, transformers_snippet):
         compile(snippet, "<card snippet>", "exec")
+
+
+def test_the_install_line_installs_this_project_from_its_source_url_in_pyproject():
+    """Someone who has only the card can install the tool: the line is pip, the project's name and extra as
+    pyproject declares them, from the Source URL of pyproject's [project.urls]."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    _, body = split_card(render_model_card(hub_manifest(), repack_config(), repo_id="o/r", speed_table=None))
+    (line,) = re.findall(r"`(pip install [^`]*)`", body)
+    assert line == f"pip install '{project['name']}[hf] @ git+{project['urls']['Source']}'"
+    assert "hf" in project["optional-dependencies"]
+    assert f"[moe-repack]({project['urls']['Source']})" in body
+    assert "make wheel" not in body
 
 
 def test_speed_table_is_embedded_only_when_given():

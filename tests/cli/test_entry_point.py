@@ -72,3 +72,22 @@ def test_convert_help_names_the_format_written_and_shows_flags_as_flags():
     assert "<bool>" not in result.stdout
     for flag in ("--force", "--dry-run", "--quiet", "--private", "--include", "--exclude", "--base-model"):
         assert flag in result.stdout, flag
+
+
+@pytest.mark.parametrize("command", ["", "convert", "verify", "inspect", "push", "demo", "tune"])
+def test_help_ends_with_examples_that_use_only_real_options(command: str):
+    """Like `hf upload --help`: an Examples section of whole command lines, each naming this command and only
+    options it has, every line inside 80 columns."""
+    args = [command, "--help"] if command else ["--help"]
+    narrow = {"COLUMNS": "80", "TERM": "dumb", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([REPACK, *args], capture_output=True, text=True, timeout=60, env=narrow)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "Examples:" in text, text
+    lines = [line.strip() for line in text.split("Examples:", 1)[1].splitlines() if line.strip()]
+    assert lines and all(line.startswith(f"repack {command}".rstrip()) for line in lines), lines
+    for line in lines:
+        used = [word for word in line.split("#")[0].split() if word.startswith("--")]
+        if command:
+            assert all(option in text.split("Examples:")[0] for option in used), (line, used)
+    assert max(len(line) for line in text.splitlines()) <= 80

@@ -29,7 +29,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_holds_namespaced_packages_only(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert tops == {"repack"}
+    assert tops == {"repack", "moe_repack.pth"}
     for expected in ("repack/cli.py", "repack/runtime/__init__.py", "repack/formats/SPEC.md", "repack/formats/gptq.py"):
         assert expected in names
     assert "repack/runtime/integrations/vllm/moe.py" in names
@@ -41,6 +41,12 @@ def test_wheel_declares_the_vllm_plugin(wheel):
     (entry_points,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
     text = archive.read(entry_points).decode()
     assert "[vllm.general_plugins]\nrepack = repack.runtime.integrations.vllm:register" in text
+
+
+def test_wheel_registers_the_quantizer_in_every_interpreter(wheel):
+    """moe_repack.pth: site imports repack.runtime at start-up, so a plain from_pretrained knows quant_method
+    'repack' (tests/runtime/test_plain_transformers.py runs that)."""
+    assert zipfile.ZipFile(wheel).read("moe_repack.pth").decode() == "import repack.runtime\n"
 
 
 def test_wheel_ships_the_tuned_configs(wheel):
@@ -71,6 +77,8 @@ def test_clean_venv_runs_cli_and_imports(wheel, tmp_path):
         capture_output=True,
     )
     run = lambda *args: subprocess.run([*args], cwd=tmp_path, capture_output=True, text=True, check=True)  # noqa: E731
+    at_start_up = "import sys; print('repack.runtime' in sys.modules, 'torch' in sys.modules)"
+    assert run(python, "-c", at_start_up).stdout.split() == ["True", "False"], "moe_repack.pth did not run (cheaply)"
     probe = (
         "import repack, repack.formats, repack.runtime, sys; print(repack.__file__); print('repack.cli' in sys.modules)"
     )
@@ -83,3 +91,23 @@ def test_clean_venv_runs_cli_and_imports(wheel, tmp_path):
     assert version.returncode == 0 and version.stdout.startswith("repack (moe-repack) "), version.stderr
     assert "convert" in from_path("repack", "-h").stdout
     assert "Usage: repack convert" in from_path("repack", "convert", "--help").stdout
+
+
+def test_the_triton_range_pinned_is_the_one_tested():
+    """pyproject admits exactly the triton minor that CI runs (and the Makefile installs): 3.6, whose Gluon API the
+    sm_90 kernels are written against. A wider range would let pip pick an untested triton (3.9 in a clean venv)."""
+    import re
+    from importlib.metadata import version
+
+    import tomllib
+    from packaging.requirements import Requirement
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (triton,) = [Requirement(d) for d in dependencies if Requirement(d).name == "triton"]
+    assert version("triton") in triton.specifier, "the triton tests run on is outside the pinned range"
+    (make_pin,) = re.findall(r"triton==([\d.]+)", (REPO / "Makefile").read_text())
+    assert make_pin in triton.specifier
+    minor = ".".join(make_pin.split(".")[:2])
+    assert all(
+        v.startswith(minor + ".") for v in ("3.5.0", "3.6.0", "3.6.9", "3.7.0", "3.9.0") if v in triton.specifier
+    )

@@ -11,7 +11,10 @@ import yaml
 
 from repack.push import plan_push
 from tests.support.cli import assert_one_line_error, run_cli
+from tests.support.entry_point import run_repack
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.hub import COMMIT as HUB_COMMIT
+from tests.support.hub import make_cache, offline_env
 
 SRC = FIXTURES_DIR / "qwen3moe-g128-sym"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -90,3 +93,35 @@ def test_dry_run_shows_what_is_copied_and_what_is_left_behind(tmp_path: Path, mo
     lines = result.stdout.splitlines()
     assert any("README.txt" in line and "copy" in line for line in lines)
     assert any("reference.safetensors" in line and "not copied" in line for line in lines)
+
+
+def hub_metadata(out: Path) -> dict:
+    return {key: value for key, value in card_metadata(out).items() if key in ("base_model", "license")}
+
+
+def test_one_base_model_rule_whatever_the_same_files_are_called(tmp_path: Path):
+    """The same files, with a card and without, as a local folder, as a Hub id served from the cache and as that
+    cache's snapshot folder: --base-model, else the source card's base_model, else the Hub repo, else none; the
+    license only ever from the source's card."""
+    with_card = shutil.copytree(SRC, tmp_path / "with-card")
+    (with_card / "README.md").write_text(SOURCE_CARD)
+    without_card = shutil.copytree(SRC, tmp_path / "without-card")
+    expected = {
+        "with-card": {"base_model": "Qwen/Qwen3-30B-A3B", "license": "apache-2.0"},
+        "without-card": {},
+    }
+    for folder in (with_card, without_card):
+        repo_id = f"org/{folder.name}-gptq"
+        cache = make_cache(tmp_path / folder.name, folder, repo_id)
+        snapshot = cache / f"models--org--{folder.name}-gptq" / "snapshots" / HUB_COMMIT
+        env = offline_env(cache)
+        from_hub = expected[folder.name] or {"base_model": repo_id}  # no card: the Hub repo is all that is known
+        names = {"local folder": (folder, expected[folder.name]), "Hub id": (repo_id, from_hub)}
+        names["cache snapshot"] = (snapshot, from_hub)
+        for how, (src, wanted) in names.items():
+            out = tmp_path / "outs" / folder.name / how.replace(" ", "-")
+            run = run_repack("convert", src, out, "--quiet", env=env)
+            assert run.returncode == 0, run.stderr[-2000:]
+            assert hub_metadata(out) == wanted, (folder.name, how)
+            overridden = plan_push(out, "me/model", base_model="a/b").card
+            assert yaml.safe_load(overridden.split("---\n")[1])["base_model"] == "a/b"

@@ -52,7 +52,8 @@ print(json.dumps(report))
 
 
 def _compile(cfg, act: str, asym: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # compile, never interpret: an explicit 0 also keeps repack.runtime from switching the interpreter on
+    env = dict(os.environ, TRITON_INTERPRET="0")
     tile = json.dumps(cfg.to_list())
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, tile, act, "1" if asym else "0"],

@@ -25,6 +25,7 @@ from repack.synthetic import write_synthetic_checkpoint
 from repack.verify import verify
 from tests.support.cli import run_cli
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.plan_text import tensor_lines
 from tests.support.tensor_ops import ALLOWED_OPS, OpRecorder
 
 # Joinable by construction: C = 2 chunks of the routed I (sym, act-order), and C = 1 of the same I (asym, act-order).
@@ -95,7 +96,8 @@ def test_the_plan_shows_the_order_the_files_hold(joined_checkpoint, tmp_path):
     names = [t.name for t in plan.output_tensors()]
     assert names == file_order(CheckpointReader(out))
     printed = console.export_text()
-    rows = [printed.index(f" {name} ") for name in names]
+    shown = tensor_lines(printed)
+    rows = [shown[name] for name in names]
     assert rows == sorted(rows)  # --dry-run prints them in that order too
     joined = [step for group in plan.groups for step in group.steps if isinstance(step, JoinedStacks)]
     assert len(joined) == 2 and [s.kind for s in plan.stacks].count(SHARED) == 2

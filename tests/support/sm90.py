@@ -5,7 +5,7 @@ SM90_SHARED_LIMIT = 232448  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on 
 
 
 def run_compile_worker(script: str, timeout: int = 900) -> list[dict]:
-    """Run ``script --worker`` without TRITON_INTERPRET (the test session sets it; the compiler must not see it)
+    """Run ``script --worker`` with TRITON_INTERPRET=0 (the test session sets it to 1; the compiler must not see that)
     and return the JSON lines it printed, one per compiled kernel or config."""
     import json
     import os
@@ -13,7 +13,8 @@ def run_compile_worker(script: str, timeout: int = 900) -> list[dict]:
     import sys
     from pathlib import Path
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # compile, never interpret: an explicit 0 also keeps repack.runtime from switching the interpreter on
+    env = dict(os.environ, TRITON_INTERPRET="0")
     root = str(Path(__file__).resolve().parents[2])  # the worker imports tests.support too
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run(
