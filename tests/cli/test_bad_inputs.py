@@ -48,17 +48,22 @@ def set_quant(**values):
 
 
 @pytest.mark.parametrize(
-    "method,expected", [("awq", "'awq'"), ("compressed-tensors", "'compressed-tensors'"), ("fp8", "'fp8'")]
+    "method,expected",
+    [
+        ("awq", "AWQ version 'gptq' is not supported"),  # the GPTQ config's format: gptq read as AWQ's version
+        ("compressed-tensors", "compressed-tensors config has no config_groups"),
+        ("fp8", "quant_method is 'fp8'; supported source formats: gptq, awq, compressed-tensors"),
+    ],
 )
-def test_not_gptq(src, tmp_path, method, expected):
+def test_gptq_tensors_under_another_quant_method(src, tmp_path, method, expected):
     edit_config(src, set_quant(quant_method=method))
-    convert_fails(src, tmp_path, "config.json", expected, "only GPTQ")
+    convert_fails(src, tmp_path, "config.json", expected)
 
 
 def test_fp16_model_without_quantization_config(src, tmp_path):
     edit_config(src, lambda c: c.pop("quantization_config"))
     (src / "quantize_config.json").unlink()
-    convert_fails(src, tmp_path, "not a GPTQ checkpoint")
+    convert_fails(src, tmp_path, "not a quantized checkpoint")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 16])
