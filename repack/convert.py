@@ -531,6 +531,7 @@ def convert(
     origin = source_record(source.path, repo_id=source.repo_id, revision=source.revision, base_model=base_model)
     reader = CheckpointReader(source.path)
     plan = build_plan(source, reader, include, exclude)
+    origin = replace(origin, quant_format=plan.source_format.name)
     if dry_run:
         (console or Console()).print(describe_plan(plan))
         return plan

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from repack.families import MoeLayer, detect_family, find_moe_layers
 from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, PlannedTensor
 from repack.formats.errors import RepackError
+from repack.formats.families import ROUTER_MODULE, SHARED_GATE_MODULES
 from repack.formats.quant_config import DENSE_LINEAR_FORMAT
 from repack.formats.sources import CanonicalLinear, LinearScheme, SourceFormat, source_format
 from repack.formats.stacks import (
@@ -249,6 +250,11 @@ def _dense_linears(fmt: SourceFormat, reader: CheckpointReader, consumed: set[st
     )
     steps = []
     for module in modules:
+        if module.rsplit(".", 1)[-1] in (ROUTER_MODULE, *SHARED_GATE_MODULES):
+            raise RepackError(
+                f"{module} is a MoE router (or shared-expert gate) stored {fmt.name}-quantized; routers run in float, "
+                "so re-quantize with it left out (ignore / modules_to_not_convert)"
+            )
         scheme = fmt.scheme_for(module)
         if scheme is None:
             raise RepackError(

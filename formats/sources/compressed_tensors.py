@@ -16,7 +16,8 @@ field moved. Scales of another float dtype (bfloat16, float32) are taken where e
 (and written back in their own dtype), else refused: the format stores float16 scales.
 
 Which linears are quantized, and how: each ``config_groups`` entry's ``targets`` (``"Linear"``, an exact module
-name, or ``"re:<regex>"``) with its ``weights`` arguments; ``ignore`` (names or ``re:`` regexes) wins.
+name, or ``"re:<regex>"``) with its ``weights`` arguments, the most specific match winning; ``ignore`` (names or
+``re:`` regexes) wins over every target.
 """
 
 from __future__ import annotations
@@ -84,14 +85,20 @@ class CompressedTensorsSource(SourceFormat):
             raise SourceFormatError(f"{self.where}: regex {pattern.pattern!r} takes too long to match") from None
 
     def scheme_for(self, module: str) -> LinearScheme | None:
+        """The scheme of the config group whose target matches ``module`` most specifically (an exact name, then a
+        regex, then the class name "Linear": compressed-tensors' own precedence); None when ignored or untargeted."""
         if any(self._matches(pattern, module) for pattern in self.ignore):
             return None
+        best: tuple[int, LinearScheme | str] | None = None
         for targets, scheme in self.groups:
-            if any(self._matches(pattern, module) for pattern in targets):
-                if isinstance(scheme, str):
-                    raise SourceFormatError(f"{module}: {scheme}")
-                return scheme
-        return None
+            ranks = [_specificity(pattern) for pattern in targets if self._matches(pattern, module)]
+            if ranks and (best is None or min(ranks) < best[0]):
+                best = (min(ranks), scheme)
+        if best is None:
+            return None
+        if isinstance(best[1], str):
+            raise SourceFormatError(f"{module}: {best[1]}")
+        return best[1]
 
     def _shapes(self, source: TensorSource, module: str, scheme: LinearScheme, shape: tuple[int, int] | None):
         """(K, N) after checking every stored tensor's dtype and shape; ``shape`` is weight_shape's value."""
@@ -193,6 +200,13 @@ class CompressedTensorsSource(SourceFormat):
         parts = sorted(f"{s.bits}-bit {'channel' if s.group_size == -1 else f'group {s.group_size}'}"
                        f"{'' if s.sym else ' asym'}" for s in schemes)  # fmt: skip
         return f"compressed-tensors (pack-quantized) {', '.join(parts)}"
+
+
+def _specificity(pattern) -> int:
+    """0 for an exact module name, 1 for a regex, 2 for the class name "Linear"."""
+    if isinstance(pattern, str):
+        return 2 if pattern == LINEAR_CLASS else 0
+    return 1
 
 
 def _strings(entries: object, where: str) -> list[str]:
