@@ -23,6 +23,7 @@ name, or ``"re:<regex>"``) with its ``weights`` arguments, the most specific mat
 from __future__ import annotations
 
 import reprlib
+import time
 
 import regex
 import torch
@@ -64,6 +65,15 @@ class CompressedTensorsSource(SourceFormat):
                 f"{where}: quantization_status is {status!r}, not 'compressed'; save the model with "
                 "save_compressed=True"
             )
+        for key, what in (("sparsity_config", "sparsity compression"), ("transform_config", "weight transforms")):
+            value = raw.get(key) or {}
+            if value and not (key == "sparsity_config" and value.get("format") in (None, "dense")):
+                raise SourceFormatError(
+                    f"{where}: {key} is set ({what}, {reprlib.repr(value)}); repack takes dense pack-quantized weights "
+                    "only, re-quantize without it"
+                )
+        # Why a budget: the regexes come from the checkpoint; one with nested quantifiers can backtrack for hours.
+        self.regex_seconds_left = REGEX_SECONDS
         self.groups = [self._group(name, group) for name, group in groups.items()]
         self.ignore = [_pattern(entry, f"{where} ignore") for entry in _strings(raw.get("ignore") or [], where)]
 
@@ -79,10 +89,16 @@ class CompressedTensorsSource(SourceFormat):
     def _matches(self, pattern, module: str) -> bool:
         if isinstance(pattern, str):
             return pattern in (module, LINEAR_CLASS)
+        start = time.monotonic()
         try:
-            return pattern.match(module, timeout=REGEX_SECONDS) is not None
+            return pattern.match(module, timeout=max(self.regex_seconds_left, 1e-3)) is not None
         except TimeoutError:
-            raise SourceFormatError(f"{self.where}: regex {pattern.pattern!r} takes too long to match") from None
+            raise SourceFormatError(
+                f"{self.where}: regex {pattern.pattern!r} takes too long to match module names (nested quantifiers "
+                "backtrack); simplify it"
+            ) from None
+        finally:
+            self.regex_seconds_left -= time.monotonic() - start
 
     def scheme_for(self, module: str) -> LinearScheme | None:
         """The scheme of the config group whose target matches ``module`` most specifically (an exact name, then a

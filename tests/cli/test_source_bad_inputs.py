@@ -116,6 +116,24 @@ def test_ct_other_compression_formats(ct, tmp_path, fmt):
     convert_fails(ct, tmp_path, f"format {fmt!r} is not supported", "pack-quantized")
 
 
+@pytest.mark.parametrize(
+    "key,value",
+    [("sparsity_config", {"format": "sparse-24-bitmask"}), ("transform_config", {"config_groups": {"R1": {}}})],
+)
+def test_ct_sparsity_and_transforms_are_refused(ct, tmp_path, key, value):
+    edit_config(ct, lambda q: q.update({key: value}))
+    convert_fails(ct, tmp_path, f"{key} is set", "dense pack-quantized weights only")
+
+
+def test_ct_backtracking_regex_is_stopped(ct, tmp_path, monkeypatch):
+    """The regexes come from the checkpoint: all matching of one config shares a time budget."""
+    import repack.formats.sources.compressed_tensors as compressed_tensors
+
+    monkeypatch.setattr(compressed_tensors, "REGEX_SECONDS", 0.5)
+    edit_config(ct, lambda q: q.update(ignore=[r"re:((.)(?=.)|.)*\d{5}"]))
+    convert_fails(ct, tmp_path, "takes too long to match", "simplify it")
+
+
 def test_ct_not_compressed(ct, tmp_path):
     edit_config(ct, lambda q: q.update(quantization_status="frozen"))
     convert_fails(ct, tmp_path, "quantization_status is 'frozen'", "save_compressed=True")
