@@ -83,3 +83,16 @@ def test_transformers_door_matches_the_tools_logits(converted, device):
     source, out = converted
     model = load_hf_model(out, device=device, dtype=torch.float16)
     assert_logits_match_reference(model, source.name, device, key="fp32.logits")
+
+
+@pytest.mark.parametrize("name", ["ct-qwen3moe-channel-sym-mixed", "awq-qwen3moe-g64-sym"])
+def test_from_pretrained_door_matches_the_tools_logits(name, tmp_path):
+    """The quantizer door reads the converted linears' GPTQ config (linear_quantization_config) like load_hf_model."""
+    import repack.runtime  # noqa: F401  (registers quant_method "repack" with transformers)
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.fixtures import FIXTURES_DIR
+
+    out = convert_fixture(FIXTURES_DIR / name, tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16)
+    assert_logits_match_reference(model, name, next(model.parameters()).device, key="fp32.logits")
