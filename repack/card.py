@@ -136,7 +136,7 @@ def _title(repo_id: str, base_model: str | None, manifest: Manifest, source_form
     name = escape_text(repo_id.split("/")[-1])
     source_id = manifest.source.repo_id if is_repo_id(manifest.source.repo_id) else None
     if source_id is not None:
-        origin = _hub_link(source_id)
+        origin = f"The {source_format} checkpoint {_hub_link(source_id)}"
     elif base_model is not None:
         origin = f"A local {source_format} checkpoint of {_hub_link(base_model)}"
     else:
@@ -148,7 +148,7 @@ def _title(repo_id: str, base_model: str | None, manifest: Manifest, source_form
     )
     return (
         f"# {name}\n\n"
-        f"{origin} ({source_format}), converted losslessly by moe-repack into the {FORMAT_NAME} layout: the int4 "
+        f"{origin}, converted losslessly by moe-repack into the {FORMAT_NAME} layout: the int4 "
         "experts of every MoE layer are stacked, gate and up merged, and packed in the order the fused Triton W4A16 "
         f"MoE kernel reads them. {others}, and `repack verify` rebuilds the source {source_format} tensors bit for "
         "bit.\n"

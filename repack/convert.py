@@ -347,7 +347,7 @@ def interleave_streams(streams: dict[str, Iterator[Piece]], order: list[str]) ->
 def output_config(plan: Plan, conversion_id: str) -> dict:
     """config.json with quantization_config replaced as in formats/SPEC.md section 4."""
     config = copy.deepcopy(plan.source.config)
-    base = plan.stacks[0].scheme
+    base = plan.source_format.base_scheme() or plan.stacks[0].scheme
     quant = {
         "quant_method": QUANT_METHOD,
         "format": FORMAT_NAME,

@@ -67,6 +67,9 @@ class AwqSource(SourceFormat):
             return None
         return self.scheme
 
+    def base_scheme(self) -> LinearScheme:
+        return self.scheme
+
     def _shapes(self, source: TensorSource, module: str, scheme: LinearScheme) -> tuple[int, int]:
         qweight = meta_tensor(source, f"{module}.qweight")
         if qweight.dim() != 2 or qweight.dtype != torch.int32:

@@ -122,6 +122,10 @@ class SourceFormat(ABC):
         """The scheme of one module (full name), or None when the config says it is not quantized."""
 
     @abstractmethod
+    def base_scheme(self) -> LinearScheme | None:
+        """The checkpoint's main scheme (the config's default), for the output config's summary fields."""
+
+    @abstractmethod
     def header_linear(self, source: TensorSource, module: str, scheme: LinearScheme) -> CanonicalLinear:
         """The canonical linear of ``module`` with shape-only tensors, after checking every stored tensor's dtype and
         shape from the headers; only tiny tensors (g_idx, stored shapes) are read."""

@@ -116,6 +116,9 @@ class CompressedTensorsSource(SourceFormat):
             raise SourceFormatError(f"{module}: {best[1]}")
         return best[1]
 
+    def base_scheme(self) -> LinearScheme | None:
+        return next((scheme for _, scheme in self.groups if not isinstance(scheme, str)), None)
+
     def _shapes(self, source: TensorSource, module: str, scheme: LinearScheme, shape: tuple[int, int] | None):
         """(K, N) after checking every stored tensor's dtype and shape; ``shape`` is weight_shape's value."""
         packed = meta_tensor(source, f"{module}.weight_packed")

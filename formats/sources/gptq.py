@@ -42,6 +42,9 @@ class GptqSource(SourceFormat):
     def scheme_for(self, module: str) -> LinearScheme | None:
         return self.config.scheme_for(module)
 
+    def base_scheme(self) -> LinearScheme:
+        return self.config.base
+
     def _gptq_linear(self, source: TensorSource, module: str, load) -> GptqLinear:
         g_idx = f"{module}.g_idx"
         return GptqLinear(

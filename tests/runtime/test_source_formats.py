@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from repack.formats.manifest import Manifest
 from tests.support.checkpoints import convert_fixture, relative_error
-from tests.support.fixtures import SOURCE_FIXTURES, assert_logits_match_reference
+from tests.support.fixtures import FIXTURES_DIR, SOURCE_FIXTURES, assert_logits_match_reference
 
 BLOCK_TOLERANCE = 5e-3  # relative, fp16 kernels against the tool's float32 block output
 
@@ -88,10 +88,9 @@ def test_transformers_door_matches_the_tools_logits(converted, device):
 @pytest.mark.parametrize("name", ["ct-qwen3moe-channel-sym-mixed", "awq-qwen3moe-g64-sym"])
 def test_from_pretrained_door_matches_the_tools_logits(name, tmp_path):
     """The quantizer door reads the converted linears' GPTQ config (linear_quantization_config) like load_hf_model."""
-    import repack.runtime  # noqa: F401  (registers quant_method "repack" with transformers)
     from transformers import AutoModelForCausalLM
 
-    from tests.support.fixtures import FIXTURES_DIR
+    import repack.runtime  # noqa: F401  (registers quant_method "repack" with transformers)
 
     out = convert_fixture(FIXTURES_DIR / name, tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16)
