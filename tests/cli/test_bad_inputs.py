@@ -13,7 +13,7 @@ import torch
 import repack.convert
 from repack.formats.gptq import GptqScheme
 from repack.synthetic import write_synthetic_checkpoint
-from tests.support.cli import assert_one_line_error, copy_checkpoint, edit_weights, run_cli
+from tests.support.cli import assert_one_line_error, convert_fails, copy_checkpoint, edit_weights, run_cli
 from tests.support.fixtures import FIXTURES_DIR
 
 SYM = FIXTURES_DIR / "qwen2moe-g128-sym"
@@ -30,14 +30,6 @@ def edit_config(folder: Path, edit) -> None:
     config = json.loads(path.read_text())
     edit(config)
     path.write_text(json.dumps(config))
-
-
-def convert_fails(src: Path, tmp_path: Path, *must_contain: str) -> str:
-    out = tmp_path / "out"
-    line = assert_one_line_error(run_cli("convert", src, out, "--quiet"), *must_contain)
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
-    return line
 
 
 def set_quant(**values):

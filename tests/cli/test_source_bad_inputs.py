@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.cli import assert_one_line_error, copy_checkpoint, edit_weights, run_cli
+from tests.support.cli import convert_fails, copy_checkpoint, edit_weights, run_cli
 from tests.support.fixtures import FIXTURES_DIR
 
 CT_ASYM = FIXTURES_DIR / "ct-qwen2moe-g128-asym"
@@ -30,14 +30,6 @@ def edit_config(folder: Path, edit) -> None:
 
 def weights(config: dict) -> dict:
     return config["config_groups"]["group_0"]["weights"]
-
-
-def convert_fails(src: Path, tmp_path: Path, *must_contain: str) -> str:
-    out = tmp_path / "out"
-    line = assert_one_line_error(run_cli("convert", src, out, "--quiet"), *must_contain)
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
-    return line
 
 
 def converts_and_verifies(src: Path, tmp_path: Path) -> Path:
