@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-
 from repack.families import MoeLayer, detect_family, find_moe_layers
 from repack.formats.checkpoint import CONFIG_FILE, CheckpointReader, PlannedTensor
 from repack.formats.errors import RepackError
