@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from repack.formats.gptq import GptqScheme, dequantize
+from repack.formats.sources.gptq import canonical_from_gptq
 from repack.formats.stacks import ROUTED, pack_stack, stack_info
 from repack.runtime.fused_moe import GLUON_ENV, PORTABLE_ENV, fused_moe, kernel_path
 from repack.runtime.kernel_config import GluonTile
@@ -88,7 +89,9 @@ def make_stack(experts: int, hidden: int, inter: int, scheme: GptqScheme, act_or
         sources.append(tuple(lin))
         names.append((f"e{j}.gate_proj", f"e{j}.up_proj", f"e{j}.down_proj"))
     info = stack_info("mlp.experts", ROUTED, names, sources, scheme, hidden=hidden, inter=inter)
-    weights = MoeWeights.from_tensors(info, pack_stack(info, sources))
+    weights = MoeWeights.from_tensors(
+        info, pack_stack(info, [tuple(canonical_from_gptq(lin, scheme) for lin in expert) for expert in sources])
+    )
     weights = MoeWeights(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
     w13 = torch.stack([torch.cat([dequantize(g, scheme), dequantize(u, scheme)]) for g, u, _ in sources]).cuda()
     w2 = torch.stack([dequantize(d, scheme) for _, _, d in sources]).cuda()

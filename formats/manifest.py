@@ -49,15 +49,18 @@ class SourceRecord:
 
     ``path`` is the local folder as the converter saw it: kept for ``verify``, never published (the card names
     the source by ``repo_id`` or ``base_model`` only). ``base_model`` is the Hub id of the model the source
-    quantizes or is, when known (the Hub cache, the source's card, or ``--base-model``)."""
+    quantizes or is, when known (the Hub cache, the source's card, or ``--base-model``). ``quant_format`` is the
+    source's quantization format ("gptq", "awq", "compressed-tensors"; absent in manifests written before it)."""
 
     repo_id: str | None = None
     revision: str | None = None
     path: str | None = None
     base_model: str | None = None
+    quant_format: str | None = None
 
     def to_json(self) -> dict:
-        data = {"repo_id": self.repo_id, "revision": self.revision, "path": self.path, "base_model": self.base_model}
+        data = {"repo_id": self.repo_id, "revision": self.revision, "path": self.path, "base_model": self.base_model,
+                "quant_format": self.quant_format}  # fmt: skip
         return {key: value for key, value in data.items() if value is not None or key == "revision"}
 
 
@@ -243,7 +246,7 @@ def _source_record(source: object, path: Path | str) -> SourceRecord:
     if not isinstance(source, dict):
         raise RepackError(f"{path}: source is not an object; re-run `repack convert`")
     values = {}
-    for key in ("repo_id", "revision", "path", "base_model"):
+    for key in ("repo_id", "revision", "path", "base_model", "quant_format"):
         value = source.get(key)
         if value is not None and not isinstance(value, str):
             raise RepackError(f"{path}: source.{key} is not a string; re-run `repack convert`")

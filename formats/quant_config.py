@@ -19,6 +19,11 @@ from repack.formats.errors import RepackError
 from repack.formats.gptq import CHECKPOINT_FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, GptqScheme
 
 _LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
+# A converted checkpoint's non-expert GPTQ linears: copied from a GPTQ source (its own config describes them), or
+# converted from another source format into GPTQ tensors with v2 zero points, described by this key's config.
+DENSE_CONFIG_KEY = "linear_quantization_config"
+DENSE_LINEAR_FORMAT = "gptq_v2"
+SOURCE_CONFIG_KEY = "source_quantization_config"
 REGEX_SECONDS = 5.0
 
 
@@ -174,3 +179,10 @@ def _block_modules(block: object, where: str) -> list[str] | None:
             f"{reprlib.repr(block)}; fix it"
         )
     return names
+
+
+def dense_linear_config(repack_quant: dict) -> dict | None:
+    """The GPTQ config that a converted checkpoint's non-expert GPTQ linears are read with, from its
+    ``quantization_config`` (formats/SPEC.md section 4): ``linear_quantization_config`` when the source was not GPTQ,
+    else the source's own config."""
+    return repack_quant.get(DENSE_CONFIG_KEY) or repack_quant.get(SOURCE_CONFIG_KEY)

@@ -2,8 +2,9 @@
 W4A16 MoE kernel.
 
 SPEC.md beside this file is the normative description; this module is its executable form: the
-constants, the stack metadata, and the two functions that move one layer's experts between the GPTQ
-layout and ours, :func:`pack_stack` and its exact inverse :func:`unpack_stack`.
+constants, the stack metadata, and the two functions that move one layer's experts between the canonical int4
+linears every source reader produces (formats/sources/base.py: GPTQ-packed words, scales, true zeros, g_idx) and
+ours, :func:`pack_stack` and its exact inverse :func:`unpack_stack`. It knows no source format.
 
 Layout of one stack of E experts with hidden size H, intermediate size I, ``pack = 32 / bits``:
 
@@ -47,14 +48,12 @@ from .constants import (  # noqa: F401 - re-exported, so this module still names
 from .errors import RepackError
 from .gptq import (
     GptqFormatError,
-    GptqLinear,
     GptqScheme,
     pack_along_rows,
-    read_zero_points,
     trivial_g_idx,
     unpack_along_rows,
-    write_zero_points,
 )
+from .sources.base import CanonicalLinear
 from .word_order import (  # noqa: F401 - MMA128_INDEX re-exported: this module names the whole format
     MMA128_INDEX,
     from_word_order,
@@ -64,6 +63,7 @@ from .word_order import (  # noqa: F401 - MMA128_INDEX re-exported: this module 
 )
 
 ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in ACTIVATION_DTYPE_NAMES)
+Expert = tuple[CanonicalLinear, CanonicalLinear, CanonicalLinear]  # (gate, up, down) of one source expert
 
 
 _JSON_TYPES = {"str": str, "int": int, "bool": bool}  # StackInfo's field annotations -> the type a value must have
@@ -86,7 +86,7 @@ class StackInfo:
     bits: int
     group_size: int
     sym: bool
-    checkpoint_format: str  # of the source, for the inverse
+    checkpoint_format: str  # the source's convention ("gptq", "gptq_v2", "awq", "pack-quantized"), for the inverse
     act_order_w13: bool
     act_order_w2: bool
     has_g_idx: bool  # the source stored g_idx tensors (the inverse writes them back only then)
@@ -186,7 +186,7 @@ def choose_word_order(bits: int, hidden_size: int, intermediate_size: int, group
     return MMA128_ORDER if _fits_mma128(bits, hidden_size, intermediate_size) and whole_groups else GPTQ_ORDER
 
 
-def sort_permutation(name: str, linear: GptqLinear, scheme: GptqScheme) -> torch.Tensor | None:
+def sort_permutation(name: str, linear: CanonicalLinear, scheme: GptqScheme) -> torch.Tensor | None:
     """The act-order permutation P (sorted row k reads original row P[k]), or None if g_idx is trivial."""
     k = linear.in_features(scheme)
     if linear.g_idx is None:
@@ -208,7 +208,7 @@ def _identity(n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32)
 
 
-def pack_stack(info: StackInfo, experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]]) -> dict[str, torch.Tensor]:
+def pack_stack(info: StackInfo, experts: list[Expert]) -> dict[str, torch.Tensor]:
     """GPTQ (gate, up, down) linears of each source expert -> the stack's tensors, keyed by full name.
 
     ``info.act_order_*`` must already say whether any expert has a non-trivial g_idx (see :func:`plan_flags`).
@@ -230,12 +230,12 @@ QweightLoader = Callable[[str], torch.Tensor]
 
 
 def iter_pack_stack(
-    info: StackInfo, experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]], load_qweight: QweightLoader
+    info: StackInfo, experts: list[Expert], load_qweight: QweightLoader
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(output name, part)`` in file order; the parts of one name concatenate along the expert axis.
 
     Streaming form of :func:`pack_stack` so a converter holds one source expert's qweights at a time:
-    ``experts`` only needs real ``qzeros``, ``scales`` and ``g_idx`` (small); each ``qweight`` may be a
+    ``experts`` only needs real ``zeros``, ``scales`` and ``g_idx`` (small); each ``qweight`` may be a
     shape-only (meta) tensor, and ``load_qweight(module)`` is called for the real one when it is needed.
     Every permutation is validated before the first part is yielded. Without act-order the packed words
     are a transpose of the GPTQ words (no nibble unpacking); P2 alone only reorders whole w13 rows. Each
@@ -259,9 +259,8 @@ def iter_pack_stack(
     for _, (gate, up, _), (_, p2) in sources:
         yield name("w13_scales"), _w13_columns(gate.scales, up.scales, p2, chunks, i)
     if "w13_zeros" in wanted:
-        for _, (gate, up, _), (_, p2) in sources:
-            z_gate, z_up = read_zero_points(gate.qzeros, scheme), read_zero_points(up.qzeros, scheme)
-            yield name("w13_zeros"), _w13_columns(z_gate, z_up, p2, chunks, i)
+        for (gate_name, up_name, _), (gate, up, _), (_, p2) in sources:
+            yield name("w13_zeros"), _w13_columns(_zeros(gate_name, gate), _zeros(up_name, up), p2, chunks, i)
     if "w13_perm" in wanted:
         for _, (gate, _, _), (p1, _) in sources:
             h = gate.in_features(scheme)
@@ -275,16 +274,22 @@ def iter_pack_stack(
     for _, (_, _, down), _ in sources:
         yield name("w2_scales"), down.scales.reshape(chunks, -1, down.scales.shape[1])
     if "w2_zeros" in wanted:
-        for _, (_, _, down), _ in sources:
-            zeros = read_zero_points(down.qzeros, scheme)
+        for (_, _, down_name), (_, _, down), _ in sources:
+            zeros = _zeros(down_name, down)
             yield name("w2_zeros"), zeros.reshape(chunks, -1, zeros.shape[1])
     if "w2_perm" in wanted:
         for _, _, (_, p2) in sources:
             yield name("w2_perm"), (_identity(chunks * i) if p2 is None else p2).reshape(chunks, i)
 
 
+def _zeros(name: str, linear: CanonicalLinear) -> torch.Tensor:
+    if linear.zeros is None:
+        raise GptqFormatError(f"{name}: an asymmetric stack needs the zero points of every linear, this one has none")
+    return linear.zeros
+
+
 def _expert_permutations(
-    names: list[str], linears: tuple[GptqLinear, GptqLinear, GptqLinear], scheme: GptqScheme
+    names: list[str], linears: Expert, scheme: GptqScheme
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(P1, P2) of one source expert, None where trivial; gate and up must share P1."""
     gate_name, up_name, down_name = names
@@ -337,17 +342,19 @@ def _w13_columns(gate: torch.Tensor, up: torch.Tensor, p2: torch.Tensor | None, 
     )
 
 
-def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Exact inverse of :func:`pack_stack`: the stack's tensors -> the GPTQ source tensors, keyed by name.
+def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str, CanonicalLinear]:
+    """Exact inverse of :func:`pack_stack`: the stack's tensors -> the canonical linear of every source module, keyed
+    by module name (the source's reader turns each back into its stored tensors).
 
-    The qweights are first put back in the "gptq" word order, one expert at a time."""
+    The qweights are first put back in the "gptq" word order, one expert at a time. A linear's zeros are None for a
+    symmetric stack, its g_idx None unless the source stored one (``has_g_idx``)."""
     scheme = info.scheme
     get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
     # expert x's words input-major ([K/pack, N], the GPTQ layout) in the "gptq" order
     gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], info.word_order)  # noqa: E731
     h, i = info.hidden_size, info.intermediate_size
     chunks = info.chunks_per_source
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, CanonicalLinear] = {}
     for s, (gate_name, up_name, down_name) in enumerate(info.source_modules):
         experts = range(s * chunks, (s + 1) * chunks)
         # Without act-order on the input (P1 = identity) the GPTQ words are w13's words transposed, and
@@ -368,13 +375,11 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
             q_down = torch.cat([gptq_words("w2_qweight", x) for x in experts], dim=0)
         s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
         if info.sym:
-            z13 = torch.full((s13.shape[0], 2 * chunks * i), scheme.sym_zero, dtype=torch.uint8)
-            z13 = z13.view(-1, chunks, 2, i)
-            z_down = torch.full(tuple(s_down.shape), scheme.sym_zero, dtype=torch.uint8)
+            z_gate = z_up = z_down = None
         else:
             z13 = torch.cat([get("w13_zeros")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
-            z_down = torch.cat([get("w2_zeros")[x] for x in experts], dim=0)
-        z_gate, z_up = z13[:, :, 0].reshape(z13.shape[0], -1), z13[:, :, 1].reshape(z13.shape[0], -1)
+            z_down = torch.cat([get("w2_zeros")[x] for x in experts], dim=0).contiguous()
+            z_gate, z_up = z13[:, :, 0].reshape(z13.shape[0], -1), z13[:, :, 1].reshape(z13.shape[0], -1)
         p1 = get("w13_perm")[experts[0]].long() if info.act_order_w13 else _identity(h).long()
         if info.act_order_w2:
             p2 = torch.cat([get("w2_perm")[x] for x in experts]).long()
@@ -384,21 +389,23 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
 
         for name, q, sc, zp in ((gate_name, q_gate, s_gate, z_gate), (up_name, q_up, s_up, z_up)):
             if info.act_order_w13:
-                out[f"{name}.qweight"] = pack_along_rows(q[inv1][:, inv2], scheme.bits)
+                qweight = pack_along_rows(q[inv1][:, inv2], scheme.bits)
             else:
-                out[f"{name}.qweight"] = q[:, inv2] if info.act_order_w2 else q.contiguous()
-            out[f"{name}.qzeros"] = write_zero_points(zp[:, inv2].contiguous(), scheme)
-            out[f"{name}.scales"] = sc[:, inv2].contiguous()
-            if info.has_g_idx:
-                out[f"{name}.g_idx"] = trivial_g_idx(h, scheme)[inv1].contiguous()
+                qweight = q[:, inv2].contiguous() if info.act_order_w2 else q.contiguous()
+            out[name] = CanonicalLinear(
+                qweight=qweight,
+                scales=sc[:, inv2].contiguous(),
+                zeros=None if zp is None else zp[:, inv2].contiguous(),
+                g_idx=trivial_g_idx(h, scheme)[inv1].contiguous() if info.has_g_idx else None,
+            )
         if info.act_order_w2:
-            out[f"{down_name}.qweight"] = pack_along_rows(q_down[inv2], scheme.bits)
-        else:
-            out[f"{down_name}.qweight"] = q_down.contiguous()
-        out[f"{down_name}.qzeros"] = write_zero_points(z_down.contiguous(), scheme)
-        out[f"{down_name}.scales"] = s_down.contiguous()
-        if info.has_g_idx:
-            out[f"{down_name}.g_idx"] = trivial_g_idx(chunks * i, scheme)[inv2].contiguous()
+            q_down = pack_along_rows(q_down[inv2], scheme.bits)
+        out[down_name] = CanonicalLinear(
+            qweight=q_down.contiguous(),
+            scales=s_down.contiguous(),
+            zeros=z_down,
+            g_idx=trivial_g_idx(chunks * i, scheme)[inv2].contiguous() if info.has_g_idx else None,
+        )
     return out
 
 
@@ -410,9 +417,7 @@ def split_by_source(info: StackInfo) -> Iterator[tuple[StackInfo, slice]]:
         yield replace(info, num_experts=chunks, source_modules=[triple]), slice(s * chunks, (s + 1) * chunks)
 
 
-def plan_flags(
-    names: list[tuple[str, str, str]], experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]], scheme: GptqScheme
-) -> tuple[bool, bool, bool]:
+def plan_flags(names: list[tuple[str, str, str]], experts: list[Expert], scheme: GptqScheme) -> tuple[bool, bool, bool]:
     """(act_order_w13, act_order_w2, has_g_idx) of a stack, read from the g_idx tensors themselves."""
     w13 = w2 = False
     present = [lin.g_idx is not None for triple in experts for lin in triple]
@@ -434,7 +439,7 @@ def stack_info(
     prefix: str,
     kind: str,
     names: list[tuple[str, str, str]],
-    experts: list[tuple[GptqLinear, GptqLinear, GptqLinear]],
+    experts: list[Expert],
     scheme: GptqScheme,
     *,
     hidden: int,

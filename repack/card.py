@@ -31,7 +31,13 @@ from repack.formats.hub import is_repo_id
 from repack.formats.manifest import Manifest
 from repack.model_files import SOURCE_README
 
-CARD_TAGS = ["moe", "gptq", "int4", "repack"]
+CARD_TAGS = ["moe", "int4", "repack"]  # and the source format's tag (SOURCE_FORMAT_NAMES)
+# How the card names each source format (config.json quantization_config.source_format), and its Hub tag.
+SOURCE_FORMAT_NAMES = {
+    "gptq": ("GPTQ", "gptq"),
+    "awq": ("AWQ", "awq"),
+    "compressed-tensors": ("compressed-tensors", "compressed-tensors"),
+}
 SOURCE_CARD_FIELDS = ("license", "license_name", "license_link", "language")  # carried over from the source's card
 MARKER_PREFIX = "<!-- repack-card"
 _MARKER_PATTERN = re.compile(r"^<!-- repack-card content-sha256=([0-9a-f]{64}) .*-->\n?\Z")
@@ -59,9 +65,10 @@ def render_model_card(
     ``source_card`` is the source card's metadata; ``base_model`` overrides the one the manifest records.
     """
     base = base_model or card_base_model(manifest)
-    data = _card_data(base, source_card or {})
+    source_format = source_format_name(config)
+    data = _card_data(base, source_card or {}, source_format[1])
     sections = [
-        _title(repo_id, base, manifest),
+        _title(repo_id, base, manifest, source_format[0]),
         _format_section(manifest, config),
         _source_section(manifest),
         _loading_section(repo_id, manifest),
@@ -100,10 +107,16 @@ def escape_text(value: object) -> str:
     return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=False))
 
 
-def _card_data(base_model: str | None, source_card: dict) -> ModelCardData:
+def source_format_name(config: dict) -> tuple[str, str]:
+    """(display name, Hub tag) of the format the checkpoint was converted from (GPTQ for older checkpoints)."""
+    name = (config.get("quantization_config") or {}).get("source_format") or "gptq"
+    return SOURCE_FORMAT_NAMES.get(name, (escape_text(name), "int4"))
+
+
+def _card_data(base_model: str | None, source_card: dict, format_tag: str) -> ModelCardData:
     fields = {key: source_card[key] for key in SOURCE_CARD_FIELDS if source_card.get(key)}
     source_tags = source_card.get("tags") if isinstance(source_card.get("tags"), list) else []
-    tags = list(dict.fromkeys([*(str(tag) for tag in source_tags), *CARD_TAGS]))
+    tags = list(dict.fromkeys([*(str(tag) for tag in source_tags), *CARD_TAGS[:1], format_tag, *CARD_TAGS[1:]]))
     relation = {"base_model_relation": "quantized"} if base_model else {}
     return ModelCardData(
         base_model=base_model,
@@ -119,21 +132,26 @@ def _hub_link(repo_id: str) -> str:
     return f"[{repo_id}](https://huggingface.co/{repo_id})"  # a valid repo id has no markdown specials to escape
 
 
-def _title(repo_id: str, base_model: str | None, manifest: Manifest) -> str:
+def _title(repo_id: str, base_model: str | None, manifest: Manifest, source_format: str) -> str:
     name = escape_text(repo_id.split("/")[-1])
     source_id = manifest.source.repo_id if is_repo_id(manifest.source.repo_id) else None
     if source_id is not None:
-        origin = _hub_link(source_id)
+        origin = f"The {source_format} checkpoint {_hub_link(source_id)}"
     elif base_model is not None:
-        origin = f"A local GPTQ checkpoint of {_hub_link(base_model)}"
+        origin = f"A local {source_format} checkpoint of {_hub_link(base_model)}"
     else:
-        origin = "A local GPTQ checkpoint"
+        origin = f"A local {source_format} checkpoint"
+    others = (
+        "Every other tensor is the source's, byte for byte"
+        if source_format == "GPTQ"
+        else "Its other quantized linears are stored as GPTQ tensors, every float tensor is the source's byte for byte"
+    )
     return (
         f"# {name}\n\n"
-        f"{origin}, converted losslessly by moe-repack into the {FORMAT_NAME} layout: the int4 GPTQ experts of "
-        "every MoE layer are stacked, gate and up merged, and packed in the order the fused Triton W4A16 MoE kernel "
-        "reads them. Every other tensor is the source's, byte for byte, and `repack verify` rebuilds the source GPTQ "
-        "tensors bit for bit.\n"
+        f"{origin}, converted losslessly by moe-repack into the {FORMAT_NAME} layout: the int4 "
+        "experts of every MoE layer are stacked, gate and up merged, and packed in the order the fused Triton W4A16 "
+        f"MoE kernel reads them. {others}, and `repack verify` rebuilds the source {source_format} tensors bit for "
+        "bit.\n"
     )
 
 
@@ -147,7 +165,7 @@ def _format_section(manifest: Manifest, config: dict) -> str:
         ("format", f"{FORMAT_NAME} v{manifest.format_version}"),
         ("converter", f"moe-repack {escape_text(manifest.converter_version)}"),
         ("architecture", ", ".join(escape_text(name) for name in architectures)),
-        ("quantization", _scheme_text(quant)),
+        ("quantization", _scheme_text(quant, source_format_name(config)[0])),
         ("MoE layers", str(len(routed))),
     ]
     if routed:
@@ -164,11 +182,11 @@ def _format_section(manifest: Manifest, config: dict) -> str:
     return "## Format\n\n" + table
 
 
-def _scheme_text(quant: dict) -> str:
+def _scheme_text(quant: dict, source_format: str) -> str:
     group = quant.get("group_size")
     group_text = "per channel" if group == -1 else f"group size {escape_text(group)}"
     symmetry = "symmetric" if quant.get("sym", True) else "asymmetric"
-    return f"GPTQ int{escape_text(quant.get('bits', 4))}, {group_text}, {symmetry}, fp16 scales"
+    return f"{source_format} int{escape_text(quant.get('bits', 4))}, {group_text}, {symmetry}, fp16 scales"
 
 
 def _source_section(manifest: Manifest) -> str:

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,12 +46,13 @@ from repack.formats.checkpoint import (
     write_json,
 )
 from repack.formats.errors import RepackError
-from repack.formats.gptq import GptqLinear, GptqScheme, check_linear, check_zero_points, write_zero_points
 from repack.formats.hashing import HASH_CHUNK, hash_file
 from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
+from repack.formats.quant_config import DENSE_CONFIG_KEY, DENSE_LINEAR_FORMAT, SOURCE_CONFIG_KEY
+from repack.formats.sources.gptq import gptq_tensors
 from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
-from repack.plan import CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan
+from repack.plan import ConvertLinear, CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan, dense_linear_config
 from repack.plan_view import describe_plan
 from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
 from repack.progress import byte_progress
@@ -226,18 +228,6 @@ class SourceHasher:
         return self.results
 
 
-def _small_linear(reader: CheckpointReader, module: str) -> GptqLinear:
-    """A source linear with its small tensors loaded and its qweight shape-only (read later, when packed)."""
-    entry = reader.entry(f"{module}.qweight")
-    g_idx = f"{module}.g_idx"
-    return GptqLinear(
-        qweight=torch.empty(entry.shape, dtype=entry.torch_dtype, device="meta"),
-        qzeros=reader.read(f"{module}.qzeros"),
-        scales=reader.read(f"{module}.scales"),
-        g_idx=reader.read(g_idx) if g_idx in reader else None,
-    )
-
-
 def reuse_freed_memory() -> None:
     """Make glibc serve allocations up to 32 MB from its heap and keep freed heap memory for reuse.
 
@@ -305,38 +295,33 @@ def drop_from_cache(folder: Path, spans: list[Span], hasher: SourceHasher) -> li
     return pending
 
 
-def symmetric_qzeros_word(scheme: GptqScheme) -> torch.Tensor:
-    """The one int32 qzeros word a symmetric scheme stores everywhere (v1 4-bit: 0x77777777)."""
-    zeros = torch.full((1, scheme.pack_factor), scheme.sym_zero, dtype=torch.uint8)
-    return write_zero_points(zeros, scheme)
-
-
-def stream_pack_stack(reader: CheckpointReader, step: PackStack) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_pack_stack(plan: Plan, reader: CheckpointReader, step: PackStack) -> Iterator[tuple[str, torch.Tensor]]:
     """Check one stack's source experts, then yield its output pieces in file order (formats.stacks).
 
-    Only the small tensors of all experts are held; each qweight is read when its expert is packed.
+    Only the small tensors of all experts are held; each qweight is read (through the source's reader) when its
+    expert is packed.
     """
-    info, scheme = step.info, step.info.scheme
-    sym_word = symmetric_qzeros_word(scheme)
-    experts = []
-    for triple in info.source_modules:
-        linears = tuple(_small_linear(reader, module) for module in triple)
-        for module, linear in zip(triple, linears, strict=True):
-            check_linear(module, linear, scheme)
-            if not scheme.sym or not bool((linear.qzeros == sym_word).all()):
-                check_zero_points(module, linear, scheme)  # unpacks the zeros; explains a mismatch
-        experts.append(linears)
-    yield from iter_pack_stack(info, experts, lambda module: reader.read(f"{module}.qweight"))
+    info, scheme, fmt = step.info, step.info.scheme, plan.source_format
+    experts = [tuple(fmt.read_small(reader, module, scheme) for module in triple) for triple in info.source_modules]
+    yield from iter_pack_stack(info, experts, lambda module: fmt.read_qweight(reader, module, scheme))
+
+
+def converted_linear(plan: Plan, reader: CheckpointReader, step: ConvertLinear) -> dict[str, torch.Tensor]:
+    """One non-expert linear of a non-GPTQ source as GPTQ tensors (v2 zero points), in the plan's tensor order."""
+    linear = plan.source_format.read(reader, step.module, step.scheme)
+    scheme = replace(step.scheme, checkpoint_format=DENSE_LINEAR_FORMAT)
+    tensors = gptq_tensors(step.module, linear, scheme)
+    return {name: tensors[name] for name in step.outputs}
 
 
 Piece = tuple[str, torch.Tensor]  # (output tensor name, the next bytes of it)
 
 
-def stream_stack_step(reader: CheckpointReader, step: PackStack | JoinedStacks) -> Iterator[Piece]:
+def stream_stack_step(plan: Plan, reader: CheckpointReader, step: PackStack | JoinedStacks) -> Iterator[Piece]:
     """The pieces of a stack step in plan order: one stack's stream as is, or two joined stacks' interleaved."""
     if isinstance(step, PackStack):
-        return stream_pack_stack(reader, step)
-    streams = {stack.info.prefix: stream_pack_stack(reader, stack) for stack in step.stacks}
+        return stream_pack_stack(plan, reader, step)
+    streams = {stack.info.prefix: stream_pack_stack(plan, reader, stack) for stack in step.stacks}
     return interleave_streams(streams, [tensor.name for tensor in step.planned_tensors()])
 
 
@@ -362,18 +347,23 @@ def interleave_streams(streams: dict[str, Iterator[Piece]], order: list[str]) ->
 def output_config(plan: Plan, conversion_id: str) -> dict:
     """config.json with quantization_config replaced as in formats/SPEC.md section 4."""
     config = copy.deepcopy(plan.source.config)
-    base = plan.quant.base
-    config["quantization_config"] = {
+    base = plan.source_format.base_scheme() or plan.stacks[0].scheme
+    quant = {
         "quant_method": QUANT_METHOD,
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "bits": base.bits,
         "group_size": base.group_size,
         "sym": base.sym,
-        "source_quantization_config": plan.source.quantization_config,
+        "source_format": plan.source_format.name,
+        SOURCE_CONFIG_KEY: plan.source.quantization_config,
         "stacks": [info.to_json() for info in plan.stacks],
         CONVERSION_ID_KEY: conversion_id,
     }
+    dense = dense_linear_config(plan)
+    if dense is not None:
+        quant[DENSE_CONFIG_KEY] = dense
+    config["quantization_config"] = quant
     return config
 
 
@@ -459,7 +449,9 @@ class Converter:
             spans, used = source_spans(self.reader, step.sources), step.source_bytes
             if not self.hasher.wait_past(spans):
                 read_ahead(folder, spans, self._scratch)
-            for name, piece in stream_stack_step(self.reader, step):
+            pieces = converted_linear(self.plan, self.reader, step).items() if isinstance(step, ConvertLinear) else (
+                stream_stack_step(self.plan, self.reader, step))  # fmt: skip
+            for name, piece in pieces:
                 self.writer.write(name, piece)
         self.hasher.advance(used)
         used_spans = self._undropped + [(file, start, end) for file, (start, end) in spans.items()]
@@ -539,6 +531,7 @@ def convert(
     origin = source_record(source.path, repo_id=source.repo_id, revision=source.revision, base_model=base_model)
     reader = CheckpointReader(source.path)
     plan = build_plan(source, reader, include, exclude)
+    origin = replace(origin, quant_format=plan.source_format.name)
     if dry_run:
         (console or Console()).print(describe_plan(plan))
         return plan

@@ -11,31 +11,18 @@ from __future__ import annotations
 import re
 import reprlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from repack.formats.errors import RepackError
-from repack.formats.gptq import LINEAR_SUFFIXES
+from repack.formats.families import EXPERTS_MODULE, GATE_UP_DOWN, SUPPORTED, Family, family_for, num_routed_experts
+from repack.formats.sources import SourceFormat
 
-GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
-MIXTRAL_W = ("w1", "w3", "w2")  # w1 = gate, w3 = up, w2 = down
-REQUIRED_SUFFIXES = ("qweight", "qzeros", "scales")
 _EXPERT_TENSOR = re.compile(
-    r"^(?P<block>(?P<layers>.+)\.(?P<layer>\d+)\.(?P<module>[^.]+))\.experts\.(?P<expert>\d+)\."
+    rf"^(?P<block>(?P<layers>.+)\.(?P<layer>\d+)\.(?P<module>[^.]+))\.{EXPERTS_MODULE}\.(?P<expert>\d+)\."
     r"(?P<proj>[^.]+)\.(?P<suffix>[^.]+)$"
 )
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one architecture family lays out its MoE blocks."""
-
-    name: str
-    model_types: tuple[str, ...]
-    block_modules: tuple[str, ...]  # MoE block module name inside a decoder layer, in preference order
-    projection_sets: tuple[tuple[str, str, str], ...]  # expert (gate, up, down) names, accepted spellings
-    shared_module: str | None  # shared expert module inside the block, None if the family has none
-    is_sparse: Callable[[dict, int], bool]
+__all__ = ["GATE_UP_DOWN", "Family", "MoeLayer", "detect_family", "find_moe_layers", "num_routed_experts"]
 
 
 _INT_KEYS = (
@@ -75,35 +62,6 @@ def layers_in_weights(names: Iterable[str]) -> int:
     return max((int(match[1]) + 1 for name in names if (match := _LAYER_OF_NAME.search(name))), default=0)
 
 
-def num_routed_experts(config: dict) -> int:
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if config.get(key):
-            return int(config[key])
-    return 0
-
-
-def _qwen_sparse(config: dict, layer: int) -> bool:
-    step = int(config.get("decoder_sparse_step") or 1)
-    return layer not in (config.get("mlp_only_layers") or []) and (layer + 1) % step == 0
-
-
-def _deepseek_sparse(config: dict, layer: int) -> bool:
-    default_dense = 3 if config.get("model_type") == "deepseek_v3" else 0  # transformers' config defaults
-    first_dense = int(config.get("first_k_dense_replace", default_dense) or 0)
-    freq = int(config.get("moe_layer_freq") or 1)
-    return layer >= first_dense and layer % freq == 0
-
-
-FAMILIES = (
-    Family("qwen2_moe", ("qwen2_moe",), ("mlp",), (GATE_UP_DOWN,), "shared_expert", _qwen_sparse),
-    Family("qwen3_moe", ("qwen3_moe",), ("mlp",), (GATE_UP_DOWN,), None, _qwen_sparse),
-    Family("mixtral", ("mixtral",), ("block_sparse_moe", "mlp"), (MIXTRAL_W, GATE_UP_DOWN), None, lambda c, i: True),
-    Family("deepseek_v2", ("deepseek_v2",), ("mlp",), (GATE_UP_DOWN,), "shared_experts", _deepseek_sparse),
-    Family("deepseek_v3", ("deepseek_v3",), ("mlp",), (GATE_UP_DOWN,), "shared_experts", _deepseek_sparse),
-)
-SUPPORTED = ", ".join(f.name for f in FAMILIES)
-
-
 @dataclass
 class MoeLayer:
     """The expert modules of one sparse layer (full module names, without the tensor suffix)."""
@@ -125,15 +83,18 @@ class MoeLayer:
 
 def detect_family(config: dict, where: str) -> Family:
     model_type = config.get("model_type")
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            return family
+    family = family_for(model_type)
+    if family is not None:
+        return family
     arch = ", ".join(config.get("architectures") or []) or "?"
     raise RepackError(f"{where}: unsupported architecture model_type={model_type!r} ({arch}); supported: {SUPPORTED}")
 
 
-def find_moe_layers(family: Family, config: dict, names: Iterable[str], where: str) -> list[MoeLayer]:
-    """One :class:`MoeLayer` per sparse layer; raises on missing, extra or unquantized expert tensors."""
+def find_moe_layers(
+    family: Family, config: dict, names: Iterable[str], where: str, source_format: SourceFormat
+) -> list[MoeLayer]:
+    """One :class:`MoeLayer` per sparse layer; raises on missing, extra or unquantized expert tensors (the linears'
+    tensor suffixes are ``source_format``'s)."""
     names = set(names)
     found: dict[str, dict[int, dict[str, set[str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(set)))
     layer_root = "model.layers"
@@ -162,24 +123,27 @@ def find_moe_layers(family: Family, config: dict, names: Iterable[str], where: s
     for i in sparse:
         blocks = [f"{layer_root}.{i}.{m}" for m in family.block_modules if f"{layer_root}.{i}.{m}" in found]
         if not blocks:
-            first = f"{layer_root}.{i}.{family.block_modules[0]}.experts.0.{family.projection_sets[0][0]}.qweight"
+            expert = f"{family.block_modules[0]}.experts.0.{family.projection_sets[0][0]}"
+            first = f"{layer_root}.{i}.{expert}.{source_format.marker}"
             raise RepackError(
                 f"{where}: layer {i} is sparse per config.json but has no expert tensors (missing {first}); "
                 "re-download the checkpoint or fix mlp_only_layers/decoder_sparse_step"
             )
         block = blocks[0]
-        layers.append(_routed_layer(family, i, block, found.pop(block), num_experts))
+        layers.append(_routed_layer(family, i, block, found.pop(block), num_experts, source_format))
         for other in blocks[1:]:
             _raise_extra(found[other], other, "a second MoE block naming in the same layer")
     for block, experts in found.items():
         _raise_extra(experts, block, "config.json says this layer is dense")
     for layer in layers:
-        if family.shared_module:
-            layer.shared = _shared_triple(family, layer, names)
+        if family.shared_expert:
+            layer.shared = _shared_triple(family, layer, names, source_format)
     return layers
 
 
-def _routed_layer(family: Family, layer: int, block: str, experts: dict, num_experts: int) -> MoeLayer:
+def _routed_layer(
+    family: Family, layer: int, block: str, experts: dict, num_experts: int, source_format: SourceFormat
+) -> MoeLayer:
     first = experts.get(0, {})
     projs = next((p for p in family.projection_sets if p[0] in first), family.projection_sets[0])
     moe = MoeLayer(layer, block, [])
@@ -188,7 +152,7 @@ def _routed_layer(family: Family, layer: int, block: str, experts: dict, num_exp
         triple = tuple(f"{block}.experts.{j}.{p}" for p in projs)
         for proj, module in zip(projs, triple, strict=True):
             suffixes = present.pop(proj, set())
-            _check_linear_suffixes(module, suffixes)
+            _check_linear_suffixes(module, suffixes, source_format)
             moe.consumed.update(f"{module}.{s}" for s in suffixes)
         if present:
             proj = sorted(present)[0]
@@ -202,20 +166,21 @@ def _routed_layer(family: Family, layer: int, block: str, experts: dict, num_exp
     return moe
 
 
-def _check_linear_suffixes(module: str, suffixes: set[str]) -> None:
+def _check_linear_suffixes(module: str, suffixes: set[str], source_format: SourceFormat) -> None:
+    fmt = source_format.name
     if "weight" in suffixes:
         raise RepackError(
-            f"expert {module}.weight is not GPTQ-quantized (plain weight); repack needs every routed expert "
-            "in GPTQ form (check dynamic / modules_in_block_to_quantize)"
+            f"expert {module}.weight is not {fmt}-quantized (plain weight); repack needs every routed expert "
+            f"quantized (check the quantization config's ignore / dynamic / modules_to_not_convert)"
         )
-    for suffix in REQUIRED_SUFFIXES:
+    for suffix in source_format.required:
         if suffix not in suffixes:
             raise RepackError(f"missing expert tensor {module}.{suffix}; the checkpoint is incomplete, re-download it")
-    extra = suffixes - set(LINEAR_SUFFIXES)
+    extra = suffixes - set(source_format.suffixes)
     if extra:
         raise RepackError(
-            f"unexpected expert tensor {module}.{sorted(extra)[0]}: expert linears with bias or extra tensors "
-            "are not supported"
+            f"unexpected expert tensor {module}.{sorted(extra)[0]}: expert linears with bias or tensors other than "
+            f"{fmt}'s ({', '.join(source_format.suffixes)}) are not supported"
         )
 
 
@@ -226,14 +191,17 @@ def _raise_extra(experts: dict, block: str, why: str) -> None:
     raise RepackError(f"extra expert tensor {block}.experts.{j}.{proj}.{suffix}: {why}; remove it or fix config.json")
 
 
-def _shared_triple(family: Family, layer: MoeLayer, names: set[str]) -> tuple[str, str, str] | None:
+def _shared_triple(
+    family: Family, layer: MoeLayer, names: set[str], source_format: SourceFormat
+) -> tuple[str, str, str] | None:
     """The quantized shared expert's modules; None when absent or kept in float (then it is copied)."""
-    base = f"{layer.block}.{family.shared_module}"
+    base = f"{layer.block}.{family.shared_expert}"
     triple = tuple(f"{base}.{p}" for p in GATE_UP_DOWN)
-    if not any(f"{m}.qweight" in names for m in triple):
+    if not any(f"{m}.{source_format.marker}" in names for m in triple):
         return None
     for module in triple:
-        suffixes = {s for s in (*LINEAR_SUFFIXES, "bias", "weight") if f"{module}.{s}" in names}
-        _check_linear_suffixes(module, suffixes)
+        candidates = (*source_format.suffixes, "bias", "weight")
+        suffixes = {s for s in candidates if f"{module}.{s}" in names}
+        _check_linear_suffixes(module, suffixes, source_format)
         layer.consumed.update(f"{module}.{s}" for s in suffixes)
     return triple

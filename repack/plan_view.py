@@ -15,7 +15,7 @@ from rich.text import Text
 
 from repack.display import plain
 from repack.formats.constants import INDEX_FILE, MANIFEST_FILE, SHARED
-from repack.plan import CopyTensor, PackStack, Plan, Step
+from repack.plan import ConvertLinear, CopyTensor, PackStack, Plan, Step
 from repack.preflight import CONFIG_FILE
 
 COLUMNS = ("tensor", "shape", "dtype", "size", "from")
@@ -44,6 +44,8 @@ def _origins(step: Step) -> dict[str, tuple[str, str]]:
     """output tensor name -> (dtype, where it comes from)."""
     if isinstance(step, CopyTensor):
         return {step.name: (step.dtype, "copy")}
+    if isinstance(step, ConvertLinear):  # a linear of an AWQ or compressed-tensors source, stored as GPTQ tensors
+        return {tensor.name: (tensor.dtype, "as GPTQ") for tensor in step.planned_tensors()}
     origins = {
         name: (tensor.dtype, _packed_from(stack))
         for stack in step.stacks
@@ -97,7 +99,7 @@ def describe_plan(plan: Plan) -> Group:
     sources = [Text("stacked from (stack <- source tensors: first .. last)", style="bold")]
     for group in plan.groups:
         for step in group.steps:
-            for stack in [] if isinstance(step, CopyTensor) else step.stacks:
+            for stack in [] if isinstance(step, CopyTensor | ConvertLinear) else step.stacks:
                 modules = stack.info.source_modules
                 block = stack.info.prefix.rpartition(".")[0] + "."
                 first, last = (name.removeprefix(block) for name in (modules[0][0], modules[-1][-1]))
@@ -105,7 +107,8 @@ def describe_plan(plan: Plan) -> Group:
                 line = f"  {stack.info.prefix} <- {len(stack.sources)}: {first} .. {last}"
                 sources.append(plain(line))
     stacks = plan.stacks
-    title = Text.assemble("repack plan: ", plain(plan.source.label), f" ({plan.family})", style="bold")
+    fmt = plan.source_format.describe()
+    title = Text.assemble("repack plan: ", plain(plan.source.label), f" ({plan.family}, {fmt})", style="bold")
     totals = (
         f"{tensors} tensors, {decimal(plan.output_bytes)} of weights; {len(stacks)} stacks "
         f"({sum(s.num_experts for s in stacks)} stacked experts), {len(plan.files_to_copy)} files copied"

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from repack.formats.errors import RepackError
+from repack.formats.families import GATE_UP_DOWN, family_for
 from repack.formats.gptq import GptqLinear, GptqScheme, dtype_name
 from repack.synthetic_linear import quantize_linear
 
@@ -78,17 +79,19 @@ class SyntheticModel:
         return 2 * self.intermediate_size
 
     @property
+    def _v4_names(self) -> bool:
+        """Mixtral's older checkpoint naming: the family table's first block and projection spellings."""
+        return self.family == "mixtral" and self.mixtral_naming == "v4"
+
+    @property
     def expert_names(self) -> tuple[str, str, str]:
         """Module names of (gate, up, down) inside one routed expert."""
-        if self.family == "mixtral" and self.mixtral_naming == "v4":
-            return ("w1", "w3", "w2")
-        return ("gate_proj", "up_proj", "down_proj")
+        return family_for(self.family).projection_sets[0] if self._v4_names else GATE_UP_DOWN
 
     def moe_block(self, layer: int) -> str:
         """Module path of a layer's sparse-MoE block (or dense MLP)."""
-        if self.family == "mixtral" and self.mixtral_naming == "v4":
-            return f"model.layers.{layer}.block_sparse_moe"
-        return f"model.layers.{layer}.mlp"
+        family = family_for(self.family)
+        return f"model.layers.{layer}.{family.block_modules[0] if self._v4_names else family.model_block}"
 
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.dense_first_layers
@@ -96,9 +99,7 @@ class SyntheticModel:
     @property
     def shared_block_name(self) -> str | None:
         """Module name of the shared expert inside the MoE block; ``None`` for families without one."""
-        return {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}.get(
-            self.family
-        )
+        return family_for(self.family).shared_expert
 
 
 def write_synthetic_checkpoint(
@@ -454,11 +455,11 @@ def _moe_tensors(model: SyntheticModel, maker: _TensorMaker, block: str) -> Iter
     for expert in range(model.num_experts):
         yield from maker.mlp(f"{block}.experts.{expert}", model.expert_names, hidden, model.intermediate_size)
     if model.shared_block_name is not None:
-        names = ("gate_proj", "up_proj", "down_proj")
         shared = f"{block}.{model.shared_block_name}"
-        yield from maker.mlp(shared, names, hidden, model.shared_intermediate_size)
-    if model.family == "qwen2_moe":
-        yield f"{block}.shared_expert_gate.weight", maker.normal(1, hidden)
+        yield from maker.mlp(shared, GATE_UP_DOWN, hidden, model.shared_intermediate_size)
+    shared_gate = family_for(model.family).shared_expert_gate
+    if shared_gate is not None:
+        yield f"{block}.{shared_gate}.weight", maker.normal(1, hidden)
 
 
 def _write_weights(path: Path, tensors: dict[str, torch.Tensor], shard_size: int | None) -> None:

@@ -1,9 +1,11 @@
 """``repack verify OUT [--source SRC]``: prove an output is intact and, with a source, lossless.
 
 Without a source: every output file's sha256 against the manifest. With a source, additionally: the
-source files' sha256 against the manifest, every stack turned back into GPTQ tensors with
-``unpack_stack`` and compared bit for bit with the source tensors, every copied tensor compared byte
-for byte, and every source tensor accounted for. Any mismatch raises a one-line :class:`RepackError`.
+source files' sha256 against the manifest, every stack turned back into canonical linears with ``unpack_stack``
+and those into the source format's tensors by its reader's inverse (``SourceFormat.write``: GPTQ, AWQ,
+compressed-tensors), every non-expert linear the converter turned into GPTQ tensors turned back the same way,
+each compared bit for bit with the source tensors, every copied tensor compared byte for byte, and every source
+tensor accounted for. Any mismatch raises a one-line :class:`RepackError`.
 
 Memory stays bounded whatever the model size: files are hashed in chunks, stacks are rebuilt one source
 expert at a time, copied tensors (embeddings and lm_head are over a GB each) are compared piece by piece.
@@ -24,6 +26,9 @@ from repack.formats.hashing import hash_file
 from repack.formats.integrity import check_output_files, output_bytes
 from repack.formats.manifest import Manifest
 from repack.formats.paths import contained_child
+from repack.formats.quant_config import DENSE_CONFIG_KEY, DENSE_LINEAR_FORMAT, SOURCE_CONFIG_KEY
+from repack.formats.sources import SourceFormat, reader_named
+from repack.formats.sources.gptq import GptqSource
 from repack.formats.stacks import MANIFEST_FILE, split_by_source, unpack_stack
 from repack.progress import byte_progress
 from repack.source import resolve_source
@@ -78,33 +83,65 @@ def same_stored_tensor(output: CheckpointReader, source: CheckpointReader, name:
     return True
 
 
+def recorded_source_format(out: Path, quant: dict) -> SourceFormat:
+    """The reader of the format the output was converted from, with the source config it recorded (GPTQ for
+    checkpoints written before ``source_format`` existed)."""
+    where = f"{out / 'config.json'} quantization_config.{SOURCE_CONFIG_KEY}"
+    return reader_named(str(quant.get("source_format") or "gptq"), quant.get(SOURCE_CONFIG_KEY) or {}, where)
+
+
+def compare_rebuilt(out: Path, what: str, rebuilt: dict, source: CheckpointReader, covered: set, report) -> None:
+    """Every rebuilt source tensor against the source's, bit for bit; one line naming the first that differs."""
+    for name, tensor in rebuilt.items():
+        if name not in source:
+            raise RepackError(f"{out}: {what} rebuilds {name}, which the source does not have")
+        original = source.read(name)
+        if not same_bits(tensor, original):
+            raise RepackError(
+                f"{out}: {what} does not rebuild source tensor {name} bit for bit "
+                f"({_describe(tensor)} vs {_describe(original)}); the output is corrupt, re-convert"
+            )
+        covered.add(name)
+        report.tensors_compared += 1
+
+
 def check_tensors(out: Path, src_folder: Path, report: VerifyReport, progress: Progress) -> None:
-    _, stacks = read_repack_config(out)
+    config, stacks = read_repack_config(out)
+    quant = config.get("quantization_config") or {}
+    fmt = recorded_source_format(out, quant)
     output = CheckpointReader(out)
     source = CheckpointReader(src_folder)
     task = progress.add_task("checking tensors", total=sum(output.entry(name).nbytes for name in output.names()))
     covered: set[str] = set()
-    stack_tensors: set[str] = set()
+    rebuilt_from: set[str] = set()  # output tensors read by an inverse, not compared as copies
     for info in stacks:
         names = info.tensor_names()
-        stack_tensors.update(names)
+        rebuilt_from.update(names)
         for expert_info, rows in split_by_source(info):  # one source expert in memory at a time
             stored = {name: output.read_rows(name, rows.start, rows.stop) for name in names}
             progress.advance(task, sum(tensor.nbytes for tensor in stored.values()))
-            for name, tensor in unpack_stack(expert_info, stored).items():
-                if name not in source:
-                    raise RepackError(f"{out}: stack {info.prefix} rebuilds {name}, which the source does not have")
-                original = source.read(name)
-                if not same_bits(tensor, original):
-                    raise RepackError(
-                        f"{out}: stack {info.prefix} does not rebuild source tensor {name} bit for bit "
-                        f"({_describe(tensor)} vs {_describe(original)}); the output is corrupt, re-convert"
-                    )
-                covered.add(name)
-                report.tensors_compared += 1
+            for module, linear in unpack_stack(expert_info, stored).items():
+                tensors = fmt.write(module, linear, expert_info.scheme, source)
+                compare_rebuilt(out, f"stack {info.prefix}", tensors, source, covered, report)
         report.stacks_checked += 1
+    if DENSE_CONFIG_KEY in quant:  # non-expert linears converted into GPTQ tensors: back into the source's
+        dense = GptqSource(quant[DENSE_CONFIG_KEY], f"{out / 'config.json'} quantization_config.{DENSE_CONFIG_KEY}")
+        for module in sorted(n.removesuffix(".qweight") for n in output.names() if n.endswith(".qweight")):
+            if f"{module}.qweight" in rebuilt_from:
+                continue
+            scheme = fmt.scheme_for(module)
+            if scheme is None:
+                raise RepackError(f"{out}: GPTQ linear {module} is not quantized per the recorded source config")
+            gptq_scheme = dense.scheme_for(module)
+            if gptq_scheme is None or gptq_scheme.checkpoint_format != DENSE_LINEAR_FORMAT:
+                raise RepackError(f"{out}: {DENSE_CONFIG_KEY} does not describe {module}; re-convert")
+            linear = dense.read(output, module, gptq_scheme)
+            names = dense.module_tensors(module, lambda name: name in output)
+            rebuilt_from.update(names)
+            progress.advance(task, sum(output.entry(name).nbytes for name in names))
+            compare_rebuilt(out, f"linear {module}", fmt.write(module, linear, scheme, source), source, covered, report)
     for name in output.names():
-        if name in stack_tensors:
+        if name in rebuilt_from:
             continue
         if name not in source:
             raise RepackError(f"{out}: tensor {name} is not in the source {src_folder}; wrong --source?")

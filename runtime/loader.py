@@ -25,6 +25,7 @@ from repack.formats.checkpoint import (
     read_repack_config,
 )
 from repack.formats.errors import RepackError
+from repack.formats.families import SHARED_EXPERT_MODULES
 from repack.formats.hub import download_snapshot, looks_like_repo_id
 from repack.formats.integrity import check_output_files
 from repack.formats.manifest import Manifest
@@ -256,7 +257,7 @@ class RepackCheckpoint:
         block = block_prefix(routed.prefix)
         if shared is None:
             float_shared = [
-                n for n in self.tensors if n.startswith((f"{block}.shared_expert.", f"{block}.shared_experts."))
+                n for n in self.tensors if n.startswith(tuple(f"{block}.{m}." for m in SHARED_EXPERT_MODULES))
             ]
             if float_shared:  # SPEC section 2: a float shared expert is copied through and gets no stack
                 raise RepackError(

@@ -50,8 +50,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from repack.formats.checkpoint import TensorEntry, read_safetensors_header
 from repack.formats.errors import RepackError
+from repack.formats.families import BLOCK_ALIASES, SHARED_EXPERT_MODULES, SHARED_GATE_MODULES
 from repack.formats.gptq import GptqFormatError, GptqLinear
-from repack.formats.quant_config import parse_quant_config
+from repack.formats.quant_config import dense_linear_config, parse_quant_config
 from repack.formats.stacks import (
     ACTIVATION_DTYPES,
     FORMAT_NAME,
@@ -70,11 +71,9 @@ from repack.runtime.routers import DEEPSEEK_V3, RouterSpec, router_spec
 logger = logging.get_logger(__name__)
 
 FROM_PRETRAINED = "from_pretrained (quant_method 'repack')"
-SHARED_EXPERT_MODULES = ("shared_expert", "shared_experts")  # Qwen2-MoE, DeepSeek (kept in float)
-SHARED_GATE_MODULE = "shared_expert_gate"
 ROUTER_WEIGHT = "gate.weight"
 CORRECTION_BIAS = "gate.e_score_correction_bias"
-SOURCE_MODULE_ALIASES = ((".block_sparse_moe.", ".mlp."),)  # Mixtral v4 names -> transformers 5 names
+SOURCE_MODULE_ALIASES = BLOCK_ALIASES  # checkpoint block names -> transformers 5 names (formats/families.py)
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -295,7 +294,7 @@ def install_moe_blocks(
         names = [name for name in stored if name.startswith(f"{block}.")]
         float_shared: dict[str, nn.Module] = {}
         if shared is None:
-            for module_name in (*SHARED_EXPERT_MODULES, SHARED_GATE_MODULE):
+            for module_name in (*SHARED_EXPERT_MODULES, *SHARED_GATE_MODULES):
                 if any(name.startswith(f"{block}.{module_name}.") for name in names):
                     float_shared[module_name] = getattr(original, module_name)
         shared_relative = relative_stack(shared, block) if shared is not None else None
@@ -331,7 +330,7 @@ def install_gptq_linears(
 ) -> set[str]:
     """Swap each copied-through GPTQ linear's ``nn.Linear`` for the Triton GPTQ linear over its stored tensors, or
     for a :class:`GptqPlaceholder` when they are meta tensors still to be loaded; returns the names it took."""
-    quant = parse_quant_config(source_quant, f"{folder}/config.json source_quantization_config")
+    quant = parse_quant_config(source_quant, f"{folder}/config.json quantization_config (its GPTQ linears)")
     used: set[str] = set()
     for module in gptq_modules(stored, taken):
         tensors = {suffix: stored[f"{module}.{suffix}"] for suffix in GPTQ_SUFFIXES if f"{module}.{suffix}" in stored}
@@ -465,8 +464,8 @@ def load_hf_model(
     model = build_skeleton(hf_config(ckpt.config, ckpt.path), dtype)
     folder = str(ckpt.path)
     taken = install_moe_blocks(model, ckpt.stacks, ckpt.tensors, folder, ckpt.shared_mode)
-    source_quant = (ckpt.config.get("quantization_config") or {}).get("source_quantization_config")
-    taken |= install_gptq_linears(model, source_quant, ckpt.tensors, taken, folder)
+    linear_quant = dense_linear_config(ckpt.config.get("quantization_config") or {})
+    taken |= install_gptq_linears(model, linear_quant, ckpt.tensors, taken, folder)
     attach_float_tensors(model, ckpt.tensors, taken, dtype, ckpt.path)
     model.tie_weights()
     check_complete(model, ckpt.path)
@@ -577,7 +576,7 @@ class RepackHfQuantizer(HfQuantizer):
         stored = header_tensors(checkpoint_files)
         config = self.quantization_config
         taken = install_moe_blocks(model, config.stack_infos(), stored, folder)
-        install_gptq_linears(model, getattr(config, "source_quantization_config", None), stored, taken, folder)
+        install_gptq_linears(model, dense_linear_config(config.__dict__), stored, taken, folder)
         self.folder = folder
         return model
 

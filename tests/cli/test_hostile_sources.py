@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from repack.formats.manifest import SELF_CHECKSUM
-from tests.support.cli import assert_one_line_error, copy_checkpoint, edit_weights, run_cli
+from tests.support.cli import assert_one_line_error, convert_fails, copy_checkpoint, edit_weights, run_cli
 from tests.support.fixtures import FIXTURES_DIR
 
 SYM = FIXTURES_DIR / "qwen2moe-g128-sym"
@@ -19,13 +19,6 @@ SYM = FIXTURES_DIR / "qwen2moe-g128-sym"
 @pytest.fixture
 def src(tmp_path) -> Path:
     return copy_checkpoint(SYM, tmp_path / "src")
-
-
-def convert_fails(src: Path, tmp_path: Path, *must_contain: str) -> str:
-    out = tmp_path / "out"
-    line = assert_one_line_error(run_cli("convert", src, out, "--quiet"), *must_contain)
-    assert not out.exists()
-    return line
 
 
 def test_zero_element_tensor_converts_and_verifies(src, tmp_path):

@@ -33,6 +33,7 @@ def test_wheel_holds_namespaced_packages_only(wheel):
     for expected in ("repack/cli.py", "repack/runtime/__init__.py", "repack/formats/SPEC.md", "repack/formats/gptq.py"):
         assert expected in names
     assert "repack/runtime/integrations/vllm/moe.py" in names
+    assert {"repack/formats/families.py", "repack/formats/sources/awq.py"} <= set(names)
 
 
 def test_wheel_declares_the_vllm_plugin(wheel):

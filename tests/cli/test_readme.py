@@ -25,6 +25,7 @@ from tests.support.fixtures import FIXTURES_DIR
 README = Path(__file__).resolve().parents[2] / "README.md"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SETUP_COMMANDS = ("make ", "source ")  # the README's set-up, done by the fixtures here
+README_FIXTURES = ("ct-qwen3moe-g128-sym", "awq-qwen2moe-g128-asym")
 
 
 VLLM_SECTION = "## Serve with vLLM"  # installs vLLM's GPU build: tests/vllm runs that flow on its CPU build instead
@@ -74,6 +75,8 @@ def test_readme_commands_and_snippets_run_as_written(tmp_path: Path):
     text = without_section(README.read_text(), VLLM_SECTION)
     write_demo_checkpoint(tmp_path / "demo-out" / "source")
     cache_repo(tmp_path / "hub", "Qwen/Qwen2-57B-A14B-Instruct-GPTQ-Int4", FIXTURES_DIR / "qwen2moe-g128-sym")
+    for name in README_FIXTURES:  # the AWQ and compressed-tensors section names them as the repo's paths
+        shutil.copytree(FIXTURES_DIR / name, tmp_path / "tests" / "fixtures" / name)
     env = user_env(tmp_path / "hub")
     ran = 0
     for block in fenced(text, "bash"):

@@ -30,7 +30,12 @@ def test_convert_and_verify_hub_id_from_offline_cache(tmp_path):
     result = repack("convert", "org/tiny-moe", out, "--quiet", env=env)
     assert result.returncode == 0, result.stderr
     manifest = json.loads((out / "repack_manifest.json").read_text())
-    assert manifest["source"] == {"repo_id": "org/tiny-moe", "revision": COMMIT, "base_model": "org/tiny-moe"}
+    assert manifest["source"] == {
+        "repo_id": "org/tiny-moe",
+        "revision": COMMIT,
+        "base_model": "org/tiny-moe",
+        "quant_format": "gptq",
+    }
     assert "model.safetensors" in manifest["source_files"]
     verified = repack("verify", out, "--source", "org/tiny-moe", env=env)
     assert verified.returncode == 0 and "bit-exact" in verified.stdout, verified.stderr

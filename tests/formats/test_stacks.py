@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from repack.formats.gptq import GptqFormatError, GptqLinear, GptqScheme, dequantize
-from repack.formats.stacks import StackInfo, dequantize_stack, pack_stack, plan_flags, unpack_stack
+from repack.formats.stacks import StackInfo, dequantize_stack, plan_flags
 from repack.synthetic_linear import quantize_linear
 from tests.support.fixtures import FIXTURES
-from tests.support.stacks import seeded_stack
+from tests.support.stacks import pack_gptq, seeded_stack, unpack_gptq
 
 SCHEMES = [
     GptqScheme(4, 128, True, "gptq"),
@@ -32,10 +32,10 @@ def test_pack_then_unpack_is_bit_exact(scheme, act_order):
 
     assert info.act_order_w13 == sorted_by_groups(info.hidden_size)
     assert info.act_order_w2 == sorted_by_groups(info.intermediate_size)
-    tensors = pack_stack(info, sources)
+    tensors = pack_gptq(info, sources)
     shapes = {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
     assert shapes == {name: tuple(spec) for name, spec in info.tensor_shapes().items()}
-    back = unpack_stack(info, tensors)
+    back = unpack_gptq(info, tensors)
     for triple, linears in zip(names, sources, strict=True):
         for name, linear in zip(triple, linears, strict=True):
             for field in ("qweight", "qzeros", "scales", "g_idx"):
@@ -47,7 +47,7 @@ def test_stack_computes_the_source_mlp(act_order):
     """x -> SiLU(gate) * up -> down through OUR layout equals the source GPTQ expert (P2 folded into w13)."""
     scheme = GptqScheme(4, 32, False, "gptq")
     info, _, sources = seeded_stack(scheme, act_order, experts=2)
-    w13, w2 = dequantize_stack(info, pack_stack(info, sources))
+    w13, w2 = dequantize_stack(info, pack_gptq(info, sources))
     x = torch.randn(5, info.hidden_size, dtype=torch.float64)
     for e, (gate, up, down) in enumerate(sources):
         ref_h = F.silu(x @ dequantize(gate, scheme).double().T) * (x @ dequantize(up, scheme).double().T)
@@ -60,7 +60,7 @@ def test_stack_computes_the_source_mlp(act_order):
 def test_layout_is_output_major_with_gate_rows_first():
     scheme = GptqScheme(4, 128, True, "gptq")
     info, _, sources = seeded_stack(scheme, act_order=False, experts=1)
-    tensors = pack_stack(info, sources)
+    tensors = pack_gptq(info, sources)
     w13 = tensors["layers.0.mlp.experts.w13_qweight"][0]
     gate, up, _ = sources[0]
     # word [n, r] of w13 == word [r, n] of the GPTQ gate qweight (no act-order: same nibble order).
@@ -72,8 +72,8 @@ def test_shared_expert_chunks_are_exact():
     scheme = GptqScheme(4, 64, True, "gptq")
     info, names, sources = seeded_stack(scheme, act_order=True, experts=4, chunks=4, inter=64)
     assert info.chunks_per_source == 4
-    tensors = pack_stack(info, sources)
-    back = unpack_stack(info, tensors)
+    tensors = pack_gptq(info, sources)
+    back = unpack_gptq(info, tensors)
     for name, linear in zip(names[0], sources[0], strict=True):
         assert torch.equal(back[f"{name}.qweight"], linear.qweight)
         assert torch.equal(back[f"{name}.g_idx"], linear.g_idx)
@@ -98,7 +98,7 @@ def test_gate_and_up_with_different_orders_are_refused():
     names = [("g", "u", "d")]
     info = StackInfo("p", "routed", 1, 128, 64, 4, 32, True, "gptq", True, False, True, [list(names[0])])
     with pytest.raises(GptqFormatError, match="different act-order permutations"):
-        pack_stack(info, [(gate, up, down)])
+        pack_gptq(info, [(gate, up, down)])
 
 
 def test_unequal_groups_are_refused():
@@ -109,7 +109,7 @@ def test_unequal_groups_are_refused():
     linear.g_idx[linear.g_idx == 1] = 0  # group 0 now has 64 rows
     info = StackInfo("p", "routed", 1, 128, 32, 4, 32, True, "gptq", True, False, True, [["a", "b", "c"]])
     with pytest.raises(GptqFormatError, match="not all of size 32"):
-        pack_stack(info, [(linear, linear, linear)])
+        pack_gptq(info, [(linear, linear, linear)])
 
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda p: p.name)
@@ -139,7 +139,7 @@ def test_fixture_layers_round_trip(fixture):
         has_g_idx,
         [list(t) for t in names],
     )
-    back = unpack_stack(info, pack_stack(info, sources))
+    back = unpack_gptq(info, pack_gptq(info, sources))
     for triple in names:
         for name in triple:
             for field in ("qweight", "qzeros", "scales", "g_idx"):
@@ -154,11 +154,11 @@ def test_split_by_source_rebuilds_each_expert_alone():
     info, names, sources = seeded_stack(scheme, act_order=True, experts=3)
     chunked, chunk_names, chunk_sources = seeded_stack(scheme, act_order=True, experts=4, chunks=2, inter=64)
     for stack_info, triples, linears in ((info, names, sources), (chunked, chunk_names, chunk_sources)):
-        tensors = pack_stack(stack_info, linears)
+        tensors = pack_gptq(stack_info, linears)
         parts = list(split_by_source(stack_info))
         assert len(parts) == len(triples)
         for (sub, rows), triple, source in zip(parts, triples, linears, strict=True):
-            back = unpack_stack(sub, {name: tensor[rows] for name, tensor in tensors.items()})
+            back = unpack_gptq(sub, {name: tensor[rows] for name, tensor in tensors.items()})
             for name, linear in zip(triple, source, strict=True):
                 assert torch.equal(back[f"{name}.qweight"], linear.qweight)
                 assert torch.equal(back[f"{name}.qzeros"], linear.qzeros)

@@ -24,16 +24,14 @@ from repack.formats.stacks import (
     choose_word_order,
     dequantize_stack,
     from_word_order,
-    pack_stack,
     to_word_order,
     transpose_from_word_order,
     transpose_to_word_order,
-    unpack_stack,
 )
 from repack.synthetic import write_synthetic_checkpoint
 from repack.verify import verify
 from tests.support.fixtures import FIXTURES_DIR
-from tests.support.stacks import seeded_stack
+from tests.support.stacks import pack_gptq, seeded_stack, unpack_gptq
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -197,14 +195,14 @@ def test_mma128_stack_round_trips_bit_exactly(name):
     gptq_info, names, sources = seeded_stack(scheme, act_order, hidden=256, inter=256)
     info = _chosen(gptq_info)
     assert info.word_order == "mma128" and info.act_order_w13 == info.act_order_w2 == act_order
-    tensors = pack_stack(info, sources)
-    back = unpack_stack(info, tensors)
+    tensors = pack_gptq(info, sources)
+    back = unpack_gptq(info, tensors)
     for triple, linears in zip(names, sources, strict=True):
         for module, linear in zip(triple, linears, strict=True):
             for field in ("qweight", "qzeros", "scales", "g_idx"):
                 assert torch.equal(back[f"{module}.{field}"], getattr(linear, field)), f"{module}.{field}"
     # Only the qweights differ from the "gptq" order, by exactly the word permutation.
-    plain = pack_stack(gptq_info, sources)
+    plain = pack_gptq(gptq_info, sources)
     assert tensors.keys() == plain.keys()
     for tensor_name, tensor in tensors.items():
         if tensor_name.endswith("qweight"):
@@ -221,7 +219,7 @@ def test_mma128_shared_expert_chunks_round_trip():
     gptq_info, names, sources = seeded_stack(scheme, act_order=True, experts=2, chunks=2, hidden=256, inter=128)
     info = _chosen(gptq_info)
     assert info.word_order == "mma128" and info.chunks_per_source == 2
-    back = unpack_stack(info, pack_stack(info, sources))
+    back = unpack_gptq(info, pack_gptq(info, sources))
     for module, linear in zip(names[0], sources[0], strict=True):
         assert torch.equal(back[f"{module}.qweight"], linear.qweight)
         assert torch.equal(back[f"{module}.g_idx"], linear.g_idx)
@@ -231,7 +229,7 @@ def test_gptq_stack_still_round_trips_at_g32():
     scheme = GptqScheme(4, 32, False, "gptq")
     info, names, sources = seeded_stack(scheme, act_order=True, hidden=256, inter=128)
     assert _chosen(info).word_order == "gptq"
-    back = unpack_stack(info, pack_stack(info, sources))
+    back = unpack_gptq(info, pack_gptq(info, sources))
     for triple, linears in zip(names, sources, strict=True):
         for module, linear in zip(triple, linears, strict=True):
             assert torch.equal(back[f"{module}.qweight"], linear.qweight)

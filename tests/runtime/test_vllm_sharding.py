@@ -13,9 +13,9 @@ import torch
 
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqScheme
-from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, dequantize_stack, pack_stack
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, dequantize_stack
 from repack.runtime.integrations.vllm.sharding import ep_shard, ep_shard_info, tp_shard, tp_shard_info
-from tests.support.stacks import routed_stack_info, seeded_expert
+from tests.support.stacks import pack_gptq, routed_stack_info, seeded_expert
 
 CASES = [  # (word order, scheme, act-order, I, tensor-parallel sizes)
     (GPTQ_ORDER, GptqScheme(4, 32, False, "gptq"), True, 128, (2, 4)),
@@ -34,7 +34,7 @@ def stack(word_order: str, scheme: GptqScheme, act_order: bool, inter: int, expe
     gen = torch.Generator().manual_seed(7)
     sources = [seeded_expert(hidden, inter, scheme, act_order, gen) for _ in range(experts)]
     info = routed_stack_info(sources, scheme, experts=experts, hidden=hidden, inter=inter, word_order=word_order)
-    return info, pack_stack(info, sources)
+    return info, pack_gptq(info, sources)
 
 
 @pytest.mark.parametrize(("word_order", "scheme", "act_order", "inter", "sizes"), CASES, ids=IDS)

@@ -29,6 +29,16 @@ def assert_one_line_error(result, *must_contain: str) -> str:
     return lines[0]
 
 
+def convert_fails(src: Path, tmp_path: Path, *must_contain: str) -> str:
+    """``repack convert SRC tmp_path/out`` fails with one line naming ``must_contain``, and writes nothing: no OUT,
+    no temp folder left beside it."""
+    out = tmp_path / "out"
+    line = assert_one_line_error(run_cli("convert", src, out, "--quiet"), *must_contain)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    return line
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

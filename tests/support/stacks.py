@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from repack.formats.gptq import GptqLinear, GptqScheme
-from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, ROUTED, StackInfo, pack_stack, stack_info
+from repack.formats.sources.gptq import canonical_from_gptq, gptq_tensors
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, ROUTED, StackInfo, pack_stack, stack_info, unpack_stack
 from repack.runtime.weights import MoeWeights
 from repack.synthetic_linear import quantize_linear
 
@@ -57,7 +58,7 @@ def make_stack(
     """(MoeWeights in our layout, source experts). ``chunks`` > 1 packs ONE source expert as that many chunks."""
     sources = [make_expert(hidden, inter * chunks, scheme, act_order, 100 * j) for j in range(experts // chunks)]
     info = routed_stack_info(sources, scheme, experts=experts, hidden=hidden, inter=inter, word_order=word_order)
-    return MoeWeights.from_tensors(info, pack_stack(info, sources)), sources
+    return MoeWeights.from_tensors(info, pack_gptq(info, sources)), sources
 
 
 def seeded_expert(hidden: int, inter: int, scheme: GptqScheme, act_order: bool, gen: torch.Generator):
@@ -105,3 +106,21 @@ def zero_stack(
         word_order=word_order,
         w13_perm=torch.zeros(experts, hidden, dtype=torch.int32) if act_order else None,
     )
+
+
+def canonical(sources: list[Expert], scheme: GptqScheme) -> list[tuple]:
+    """GPTQ source experts as the canonical linears the packer takes (what the GPTQ reader produces)."""
+    return [tuple(canonical_from_gptq(linear, scheme) for linear in expert) for expert in sources]
+
+
+def pack_gptq(info: StackInfo, sources: list[Expert]) -> dict[str, torch.Tensor]:
+    """pack_stack over GPTQ source experts."""
+    return pack_stack(info, canonical(sources, info.scheme))
+
+
+def unpack_gptq(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """unpack_stack, then every canonical linear as the GPTQ tensors of the stack's checkpoint_format."""
+    out: dict[str, torch.Tensor] = {}
+    for module, linear in unpack_stack(info, tensors).items():
+        out.update(gptq_tensors(module, linear, info.scheme))
+    return out

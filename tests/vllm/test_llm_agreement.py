@@ -45,6 +45,9 @@ CASES = [
     ("deepseek_v3", "float16", "vllm", "host"),
     ("qwen2moe-joined-actorder", "bfloat16", "vllm", "host"),
     ("qwen3moe-g128-sym", "float16", "repack", "host"),
+    # AWQ and compressed-tensors sources: asymmetric linears converted into GPTQ tensors without g_idx (our kernel)
+    ("awq-qwen2moe-g128-asym", "float16", "vllm", "host"),
+    ("ct-mixtral-channel-asym", "float16", "vllm", "host"),
 ]
 # The fixtures whose copied-through GPTQ linears vLLM's method takes where its kernel exists (symmetric, no act-order).
 VLLM_GPTQ_SCHEMES = {"qwen2moe-g128-sym", "qwen3moe-g128-sym"}

@@ -20,7 +20,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from repack.formats.checkpoint import parse_repack_quant_config
 from repack.formats.constants import QUANT_METHOD, ROUTED, SHARED
 from repack.formats.errors import RepackError
-from repack.formats.quant_config import QuantConfig, parse_quant_config
+from repack.formats.families import BLOCK_ALIASES, SHARED_EXPERT_MODULES
+from repack.formats.quant_config import QuantConfig, dense_linear_config, parse_quant_config
 from repack.formats.stacks import StackInfo
 from repack.runtime.integrations.vllm import check_vllm_version
 from repack.runtime.integrations.vllm.internals import vllm_attribute, vllm_takes_checkpoint_weight_mapper
@@ -29,9 +30,8 @@ from repack.runtime.integrations.vllm.moe import RepackMoEMethod, stack_weight_m
 from repack.runtime.routers import router_spec
 
 WHERE = "config.json quantization_config"  # vLLM hands us the dict, not the folder
-SHARED_EXPERT_MODULES = ("shared_expert", "shared_experts")  # Qwen2-MoE, DeepSeek
 # vLLM's Mixtral names its MoE block ``block_sparse_moe`` (the older checkpoints' name); transformers 5 saves ``mlp``.
-MIXTRAL_BLOCK = (".mlp.", ".block_sparse_moe.")
+MIXTRAL_BLOCK = tuple(reversed(BLOCK_ALIASES[0]))  # (".mlp.", ".block_sparse_moe."), from formats/families.py
 
 
 class StackedSharedLinearMethod(LinearMethodBase):
@@ -61,9 +61,7 @@ class RepackVllmConfig(QuantizationConfig):
         self.blocks: dict[str, dict[str, StackInfo]] = {}
         for info in self.stacks:
             self.blocks.setdefault(info.prefix.rpartition(".")[0], {})[info.kind] = info
-        self.source: QuantConfig = parse_quant_config(
-            fields.get("source_quantization_config"), f"{WHERE}.source_quantization_config"
-        )
+        self.source: QuantConfig = parse_quant_config(dense_linear_config(fields), f"{WHERE} (its GPTQ linears)")
         self.gptq_modules: set[str] = set()  # source linears stored in GPTQ; read from the shards' headers
         self.gptq_methods: list[tuple[list[str], GptqLinearMethod]] = []  # (source linears, their method)
         self.model_type: str | None = None

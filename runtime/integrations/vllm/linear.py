@@ -17,7 +17,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from repack.formats.errors import RepackError
-from repack.formats.gptq import GptqLinear, GptqScheme
+from repack.formats.gptq import GptqLinear, GptqScheme, trivial_g_idx
 from repack.runtime.integrations.vllm import internals
 from repack.runtime.kernels.gptq_linear import gptq_linear, is_trivial_g_idx
 
@@ -122,7 +122,8 @@ class RepackGptqLinearMethod(LinearMethodBase):
             output_dim=1,
             weight_loader=weight_loader,
         )
-        g_idx = nn.Parameter(torch.empty(input_size, dtype=torch.int32), requires_grad=False)
+        # Trivial groups until a stored g_idx is loaded: linears converted from AWQ or compressed-tensors store none.
+        g_idx = nn.Parameter(trivial_g_idx(input_size, self.scheme), requires_grad=False)
         g_idx.weight_loader = self.load_g_idx  # type: ignore[attr-defined]
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
