@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import repack.runtime.integrations.vllm as plugin
-from repack.runtime.integrations.vllm.internals import VLLM_API
+from repack.runtime.integrations.vllm.internals import MOE_PARALLEL_FIELDS, VLLM_API
 
 PLUGIN_DIR = Path(plugin.__file__).parent
 REPO = Path(__file__).parents[2]
@@ -45,13 +45,19 @@ def vllm_imports() -> set[str]:
 
 
 def attribute_reads() -> set[str]:
-    """The names read from vLLM objects through ``vllm_attribute(owner, "name")``."""
-    found = set()
+    """The names read from vLLM objects through ``vllm_attribute(owner, "name")``; the one read by a variable is
+    internals.moe_parallel's loop over MOE_PARALLEL_FIELDS."""
+    found, variables = set(), set()
     for tree in plugin_trees():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "vllm_attribute":
-                found.add(node.args[1].value)
-    return found
+                name = node.args[1]
+                if isinstance(name, ast.Constant):
+                    found.add(name.value)
+                else:
+                    variables.add(ast.unparse(name))
+    assert variables == {"name"}, variables
+    return found | set(MOE_PARALLEL_FIELDS)
 
 
 @pytest.mark.parametrize("version", VERSIONS, ids=lambda v: f"{v[0]}.{v[1]}")
