@@ -29,7 +29,10 @@ What is touched (vLLM 0.26 and 0.32 alike, read in both sources):
   ``weight_loader`` as slices ``[H/16, 2I]`` (seen on the H200: ``[16, 768]`` for ``[8, 768, 32]``) and half of
   it never; a down one is unbound per expert. vLLM 0.32's passes a tensor whose name carries an expert id whole,
   as "expert 0". DeepSeek's own ``load_weights`` (both versions) calls the parameter's ``weight_loader`` with
-  the whole tensor itself.
+  the whole tensor itself. The names that reach the experts layer are ours (``0.gate_proj.qweight``), or the
+  layer's own projection names (``ckpt_gate_proj_name``/``ckpt_down_proj_name``) where the model's loader renames
+  ours: vLLM 0.32's Mixtral maps ``.gate_proj.`` to ``.w1.``; 0.26's does not, and its own experts loader, whose
+  expert names are ``w1``/``w2``/``w3`` there, would pass our stacks by without a word.
 - ``RoutedExperts.expert_map`` (global expert id -> this rank's, -1 elsewhere) and the rank layout in
   ``FusedMoEConfig.moe_parallel_config`` (``tp_rank``/``tp_size``, ``ep_rank``/``ep_size``, ``use_ep``,
   ``dp_size``, ``pcp_size``): which slice of each stack this rank keeps (:func:`moe_parallel`); under expert
@@ -79,6 +82,8 @@ _COMMON_API = (
     f"{_FUSED_MOE}:RoutedExperts.routed_scaling_factor",
     f"{_FUSED_MOE}:RoutedExperts.e_score_correction_bias",
     f"{_FUSED_MOE}:RoutedExperts.load_weights",
+    f"{_FUSED_MOE}:RoutedExperts.ckpt_gate_proj_name",
+    f"{_FUSED_MOE}:RoutedExperts.ckpt_down_proj_name",
     f"{_FUSED_MOE}:RoutedExperts.expert_map",
     f"{_FUSED_MOE}.runner.moe_runner:MoERunner.load_weights",
     f"{_FUSED_MOE}.runner.moe_runner:MoERunner.routed_experts",

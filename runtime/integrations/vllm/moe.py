@@ -61,12 +61,13 @@ def param_name(kind: str, shared: bool) -> str:
     return f"{stem}_{SHARED_TAG if shared else ''}{rest}"
 
 
-def stack_pose(kind: str, shared: bool) -> str:
+def stack_pose(kind: str, shared: bool, projections: dict[str, str] = PROJECTION) -> str:
     """The name (relative to ``<block>.experts``) under which stack tensor ``kind`` reaches the experts layer:
     ``w13_qweight`` -> ``0.gate_proj.qweight``, shared ``w2_scales`` -> ``0.down_proj.shared_scales``
-    (what :func:`stack_weight_mapper` renames it to)."""
+    (what :func:`stack_weight_mapper` renames it to), or with the model's own projection names where its loader
+    renames ours (vLLM 0.32's Mixtral: ``0.w1.qweight``)."""
     stem, rest = kind.split("_", 1)
-    return f"0.{PROJECTION[stem]}.{SHARED_TAG if shared else ''}{rest}"
+    return f"0.{projections[stem]}.{SHARED_TAG if shared else ''}{rest}"
 
 
 def stack_weight_mapper() -> WeightsMapper:
@@ -97,6 +98,7 @@ class RepackMoEMethod(FusedMoEMethodBase):
         self.block: MoeBlock | None = None
         self.shards: dict[bool, StackShard] = {}  # shared? -> this rank's part of that stack (create_weights)
         self.params: dict[str, torch.nn.Parameter] = {}  # stack_pose(kind, shared) -> the parameter
+        self.projections: list[dict[str, str]] = [PROJECTION]  # the poses' projection names (create_weights)
         self.id_map: torch.Tensor | None = None  # expert parallelism: global expert id -> local id
         routing = os.environ.get(ROUTING_ENV, "vllm")
         if routing not in ("vllm", "repack"):
@@ -126,6 +128,8 @@ class RepackMoEMethod(FusedMoEMethodBase):
         routed rows first, like the converter's files, so ``MoeBlock`` can run both in one launch.
         """
         self.shards = self._plan(layer)
+        own = {"w13": vllm_attribute(layer, "ckpt_gate_proj_name"), "w2": vllm_attribute(layer, "ckpt_down_proj_name")}
+        self.projections = [PROJECTION, own]
         routed_shard = self.shards[False]
         info = routed_shard.local
         expected = (info.num_experts, info.hidden_size, info.intermediate_size)
@@ -187,7 +191,8 @@ class RepackMoEMethod(FusedMoEMethodBase):
         param.repack_stack = (kind, shared)  # type: ignore[attr-defined]
         param.repack_loaded = False  # type: ignore[attr-defined]
         layer.register_parameter(param_name(kind, shared), param)
-        self.params[stack_pose(kind, shared)] = param
+        for projections in self.projections:
+            self.params[stack_pose(kind, shared, projections)] = param
 
     def load_layer_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[str]:
         """The experts layer's ``load_weights`` (in place of vLLM's): each stack tensor, named as
@@ -233,7 +238,7 @@ class RepackMoEMethod(FusedMoEMethodBase):
 
         Where vLLM's runner scales the routed output itself (DeepSeek's ``routed_scaling_factor`` applied to the
         output) the shared expert must stay a separate term, so the block never joins there."""
-        missing = [param_name(*p.repack_stack) for p in self.params.values() if not p.repack_loaded]
+        missing = {param_name(*p.repack_stack) for p in self.params.values() if not p.repack_loaded}
         if missing:
             raise RepackError(
                 f"{self.routed_info.prefix}: {', '.join(sorted(missing))} not loaded from the checkpoint (vLLM's "
