@@ -161,6 +161,20 @@ class StackShard:
             return tensor[self.experts[0] : self.experts[-1] + 1]
         return tensor
 
+    def rank_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rank's tensors (same names) as the plugin's parameters hold them after loading: each stored tensor of
+        ``tensors`` (keyed ``<prefix>.<kind>``) cut, and under expert parallelism followed by the zero expert."""
+        out = {}
+        for name, tensor in tensors.items():
+            kind = name.rpartition(".")[2]
+            if kind == "w2_perm":
+                continue
+            part = self.cut(kind, tensor)
+            if self.absent_expert is not None:
+                part = torch.cat([part, torch.zeros_like(part[:1])])
+            out[name] = part
+        return out
+
     def id_map(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """int32 [E]: global expert id -> local id, the zero expert for other ranks' experts; None without
         expert parallelism (ids are local already)."""
