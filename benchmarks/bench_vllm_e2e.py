@@ -1,8 +1,8 @@
 """End to end on the H200: vLLM 0.26 on one synthetic GPTQ checkpoint, its own GPTQ path against ours.
 
-    python3 benchmarks/bench_vllm_e2e.py --shape qwen3-30b --layers 4 [--budget-s 300]
-    python3 benchmarks/bench_vllm_e2e.py --shape qwen2-57b --layers 4
-    python benchmarks/bench_vllm_e2e.py --shape small --layers 2 --device cpu --concurrency 1,4   # CPU dry run
+    python3 -m benchmarks.bench_vllm_e2e --shape qwen3-30b --layers 4 [--budget-s 300]
+    python3 -m benchmarks.bench_vllm_e2e --shape qwen2-57b --layers 4
+    python -m benchmarks.bench_vllm_e2e --shape small --layers 2 --device cpu --concurrency 1,4   # CPU dry run
 
 (on the H200 after ``. .vllmgpu/install.sh`` and ``pip install --no-deps --no-build-isolation -e .``:
 tests/gpu/README.md; tests/gpu/device_run.py runs it after the agreement). benchmarks/make_synthetic_57b.py writes
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 START = time.monotonic()
 CONCURRENCY = (1, 16, 64, 256)
 MIN_PATH_S = 60  # a path needs about this long (engine start, load, one generate): not started with less
@@ -67,8 +67,8 @@ def build(shape: str, layers: int, work: Path) -> tuple[Path, Path]:
     scale = SCALES[shape]
     started = time.monotonic()
     subprocess.run(
-        [sys.executable, str(HERE / "make_synthetic_57b.py"), str(source), "--scale", scale, "--layers", str(layers)],
-        check=True,
+        [sys.executable, "-m", "benchmarks.make_synthetic_57b", str(source), "--scale", scale, "--layers", str(layers)],
+        check=True, cwd=REPO,
     )  # fmt: skip
     log(f"source written in {time.monotonic() - started:.1f} s")
     started = time.monotonic()
@@ -221,7 +221,7 @@ def passed(result: dict) -> bool:
 def run_path(command: list[str], timeout_s: float) -> str | None:
     """The child in a process group of its own, killed whole at ``timeout_s``; the reason it stopped, if it did."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    process = subprocess.Popen(command, env=env, start_new_session=True)
+    process = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True)
     try:
         process.wait(timeout=max(timeout_s, 1))
     except subprocess.TimeoutExpired:
