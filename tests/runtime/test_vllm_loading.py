@@ -39,8 +39,9 @@ BLOCK = "model.layers.0.mlp"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """name -> converted folder: the g128 fixture (the H200's failing case) and a Qwen2-MoE whose intermediate
-    size cuts in two on the mma128 blocks (H 128, I 256, 4 experts, a shared expert of two 256 chunks)."""
+    """name -> converted folder: the g128 fixture (the H200's failing case), a Qwen2-MoE whose intermediate size
+    cuts in two on the mma128 blocks (H 128, I 256, 4 experts, a shared expert of two 256 chunks) and the Qwen3-MoE
+    fixture (no shared expert: the runtime's own routing may run it)."""
     from repack.convert import convert
     from repack.synthetic import write_synthetic_checkpoint
 
@@ -58,6 +59,7 @@ def checkpoints(tmp_path_factory):
         vocab_size=64,
     )
     out["tp"] = convert_to(convert, source, root / "tp")
+    out["qwen3"] = convert_to(convert, FIXTURES_DIR / "qwen3moe-g128-sym", root / "qwen3")
     return out
 
 
@@ -308,3 +310,25 @@ def test_the_stand_in_of_vllm_026s_experts_loader_does_what_its_source_does(chec
     real_layer.ckpt_up_proj_name, real_layer.lora_base_layer_prefix = "up_proj", ""
     stand_in = recorded_calls(layer, weights)
     assert stand_in and recorded_calls(real_layer, weights) == stand_in
+
+
+def test_router_logits_in_route_inside_the_kernels_as_the_runtime_routes(checkpoints, device, monkeypatch):
+    """REPACK_VLLM_ROUTING=repack: vLLM hands the logits over (apply_monolithic) and a softmax top-k family routes
+    inside the kernels' first launch (fused_moe.routed_moe): the same as the runtime's route() and fused_moe."""
+    from repack.runtime.fused_moe import fused_moe
+    from repack.runtime.kernels.routing import route
+
+    monkeypatch.setenv("REPACK_VLLM_ROUTING", "repack")
+    with stand_in_vllm((0, 26)):
+        config, method, layer = build((0, 26), checkpoints["qwen3"])
+        runner_load(layer, renamed_block_tensors(config, checkpoints["qwen3"]))
+        layer.to(device)
+        method.process_weights_after_loading(layer)
+        assert method.is_monolithic
+        gen = torch.Generator().manual_seed(3)
+        routed = method.block.routed
+        x = (torch.randn(6, routed.hidden_size, generator=gen) * 0.5).to(device, torch.float16)
+        logits = torch.randn(6, routed.num_experts, generator=gen).to(device)
+        out = method.apply_monolithic(layer, x, logits)
+    weights, ids = route(logits, method.block.spec.top_k, method.block.spec.renormalize)
+    torch.testing.assert_close(out, fused_moe(x, routed, ids, weights), rtol=1e-3, atol=1e-4)

@@ -46,7 +46,7 @@ from repack.runtime.integrations.vllm.internals import (
 )
 from repack.runtime.integrations.vllm.sharding import StackShard, plan_shard
 from repack.runtime.moe_block import SEPARATE, MoeBlock
-from repack.runtime.routers import RouterSpec
+from repack.runtime.routers import SOFTMAX_TOPK, RouterSpec
 from repack.runtime.weights import TENSOR_FIELDS, MoeWeights
 
 ROUTING_ENV = "REPACK_VLLM_ROUTING"  # "vllm" (default): vLLM's top-k; "repack": the runtime's router on the logits
@@ -283,8 +283,16 @@ class RepackMoEMethod(FusedMoEMethodBase):
         return self._run(x, topk_weights, topk_ids, shared_experts)
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None) -> torch.Tensor:
-        """Router logits in: the runtime's router for this family, then the same experts."""
-        topk_weights, topk_ids = self.block.route_logits(router_logits)
+        """Router logits in: the runtime's router for this family, then the same experts. A softmax top-k over
+        all experts on this rank (no shared expert here: refused at init) routes inside the kernels' first launch
+        (``fused_moe.routed_moe``); the other routers run in torch, and expert-parallel ids need this rank's map."""
+        block = self.block
+        if block.spec.method == SOFTMAX_TOPK and self.id_map is None:
+            from repack.runtime.fused_moe import routed_moe
+
+            spec = block.spec
+            return routed_moe(x.contiguous(), block.routed, router_logits, spec.top_k, spec.renormalize)
+        topk_weights, topk_ids = block.route_logits(router_logits)
         return self._run(x, topk_weights, topk_ids, None)
 
     def _run(self, x, topk_weights, topk_ids, shared_experts) -> torch.Tensor:
