@@ -121,23 +121,21 @@ def main() -> int:
     if "e2e" in parts:  # CPU work beside the GPU parts: write and convert the benchmark's checkpoint now
         build = [python, "-m", E2E, "--shape", args.e2e_shape, *e2e_args, "--work", str(e2e_work), "--build-only"]
         builder = subprocess.Popen(build, cwd=REPO, start_new_session=True)
+
+    def run_part(part: str, module: str, part_args: list[str], limit: float, margin: float, row) -> None:
+        if limit > margin:
+            log(f"{part}: {limit:.0f} s")
+            status = run([python, "-m", module, *part_args, "--budget-s", str(limit - margin)], limit)
+            rows[part] = row(out, status)
+            log(f"{part}: {rows[part]}")
+        write_summary(out, rows)
+
     if "agreement" in parts:
         limit = min(args.agreement_s, left(args.budget_s))
-        log(f"agreement: {limit:.0f} s")
-        command = [python, "-m", "tests.gpu.vllm_agreement", *agreement_args, "--budget-s", str(limit - 15)]
-        status = run(command, limit)
-        rows["agreement"] = agreement_row(out, status)
-        log(f"agreement: {rows['agreement']}")
-        write_summary(out, rows)
+        run_part("agreement", "tests.gpu.vllm_agreement", agreement_args, limit, 15, agreement_row)
     if "shards" in parts:
         limit = min(args.shards_s, left(args.budget_s))
-        if limit > 10:
-            log(f"shards: {limit:.0f} s")
-            command = [python, "-m", "tests.gpu.shard_check", *shard_args, "--budget-s", str(limit - 10)]
-            status = run(command, limit)
-            rows["shards"] = shards_row(out, status)
-            log(f"shards: {rows['shards']}")
-        write_summary(out, rows)
+        run_part("shards", "tests.gpu.shard_check", shard_args, limit, 10, shards_row)
     if builder is not None:
         try:
             builder.wait(timeout=max(left(args.budget_s) - 60, 1))

@@ -244,15 +244,7 @@ class StandInExperts(torch.nn.Module):
                 else:
                     experts, start = tensor.unsqueeze(0), expert_id
                 for index, one in enumerate(experts.unbind(), start=start):
-                    done = param.weight_loader(
-                        param=param,
-                        loaded_weight=one,
-                        weight_name=weight_name,
-                        shard_id=shard_id,
-                        expert_id=index,
-                        return_success=True,
-                    )
-                    if done:
+                    if self._hand(param, one, weight_name, shard_id, index):
                         yield weight_name.removeprefix(f"{self.layer_name}.")
 
     def load_weights_032(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[str]:
@@ -269,16 +261,20 @@ class StandInExperts(torch.nn.Module):
                     continue
                 weight_name = qual_name.replace(part, param_prefix)
                 param = getattr(self, weight_name.removeprefix(f"{self.layer_name}."))
-                done = param.weight_loader(
-                    param=param,
-                    loaded_weight=tensor,
-                    weight_name=weight_name,
-                    shard_id=shard_id,
-                    expert_id=expert_id,
-                    return_success=True,
-                )
-                if done:
+                if self._hand(param, tensor, weight_name, shard_id, expert_id):
                     yield weight_name.removeprefix(f"{self.layer_name}.")
+
+    @staticmethod
+    def _hand(param, tensor: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> bool:
+        """The call both versions make: the parameter's weight_loader, by keyword, asked whether it loaded."""
+        return param.weight_loader(
+            param=param,
+            loaded_weight=tensor,
+            weight_name=weight_name,
+            shard_id=shard_id,
+            expert_id=expert_id,
+            return_success=True,
+        )
 
 
 def runner_load(experts: StandInExperts, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
