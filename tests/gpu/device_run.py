@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=450.0, help="everything ends by then, from the start")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--agreement-s", type=float, default=240.0, help="the agreement ends by then")
-    parser.add_argument("--shards-s", type=float, default=50.0, help="the shard check's share after the agreement")
+    parser.add_argument("--shards-s", type=float, default=70.0, help="the shard check's share after the agreement")
     parser.add_argument("--e2e-shape", default="qwen3-30b", choices=("qwen3-30b", "qwen2-57b", "small"))
     parser.add_argument("--e2e-args", default="--layers 4 --prompt 128 --output 64", help="for bench_vllm_e2e.py")
     parser.add_argument("--agreement-args", default="", help="for vllm_agreement.py (--only, --dtypes, --workers)")
