@@ -62,6 +62,8 @@ class SyntheticModel:
     mixtral_naming: str
     kv_lora_rank: int = MLA_KV_LORA_RANK  # DeepSeek's MLA latent; attention backends accept only some
     qk_rope_head_dim: int = MLA_QK_ROPE_HEAD_DIM  # kv_lora_rank + qk_rope_head_dim (vLLM's MLA: 320, 512, 576)
+    qk_nope_head_dim: int = MLA_QK_NOPE_HEAD_DIM  # with rope and v: the head dims vLLM's MLA prefill must take
+    v_head_dim: int = MLA_V_HEAD_DIM
     num_heads: int = 4
 
     @property
@@ -122,6 +124,8 @@ def write_synthetic_checkpoint(
     dense_first_layers: int = 0,
     kv_lora_rank: int = MLA_KV_LORA_RANK,
     qk_rope_head_dim: int = MLA_QK_ROPE_HEAD_DIM,
+    qk_nope_head_dim: int = MLA_QK_NOPE_HEAD_DIM,
+    v_head_dim: int = MLA_V_HEAD_DIM,
 ) -> Path:
     """Write a GPTQ MoE checkpoint folder of ``family`` to ``path`` and return ``path``.
 
@@ -132,7 +136,9 @@ def write_synthetic_checkpoint(
     ``w1/w3/w2``, as older GPTQ repos) or "v5" (``mlp.experts.{j}.gate_proj/...``, GPTQModel under
     transformers 5). ``dense_first_layers`` makes the first layers plain MLPs (DeepSeek's
     ``first_k_dense_replace``, Qwen's ``mlp_only_layers``). ``kv_lora_rank`` and ``qk_rope_head_dim`` size
-    DeepSeek's MLA latent (vLLM's MLA attention takes only latents of 320, 512 or 576 = their sum).
+    DeepSeek's MLA latent (vLLM's MLA attention takes only latents of 320, 512 or 576 = their sum);
+    ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` its heads (vLLM 0.26's MLA prefill on an H200,
+    FlashAttention, takes only a few triples, DeepSeek's 128/64/128 among them).
     """
     model = _checked_model(
         family=family,
@@ -147,6 +153,8 @@ def write_synthetic_checkpoint(
         mixtral_naming=mixtral_naming,
         kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=qk_rope_head_dim,
+        qk_nope_head_dim=qk_nope_head_dim,
+        v_head_dim=v_head_dim,
     )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -307,9 +315,9 @@ def _family_config(model: SyntheticModel) -> dict:
         "first_k_dense_replace": model.dense_first_layers,
         "moe_layer_freq": 1,
         "kv_lora_rank": model.kv_lora_rank,
-        "qk_nope_head_dim": MLA_QK_NOPE_HEAD_DIM,
+        "qk_nope_head_dim": model.qk_nope_head_dim,
         "qk_rope_head_dim": model.qk_rope_head_dim,
-        "v_head_dim": MLA_V_HEAD_DIM,
+        "v_head_dim": model.v_head_dim,
         "attention_bias": False,
     }
     if model.family == "deepseek_v2":
@@ -430,7 +438,7 @@ def _attention_tensors(model: SyntheticModel, maker: _TensorMaker, prefix: str) 
 def _mla_tensors(model: SyntheticModel, maker: _TensorMaker, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """DeepSeek multi-head latent attention: V2 (Lite) projects q directly, V3 through a q LoRA."""
     hidden, heads = model.hidden_size, model.num_heads
-    qk_head_dim = MLA_QK_NOPE_HEAD_DIM + model.qk_rope_head_dim
+    qk_head_dim = model.qk_nope_head_dim + model.qk_rope_head_dim
     order = maker.input_order(hidden)
     if model.family == "deepseek_v2":
         yield from maker.linear(f"{prefix}.q_proj", hidden, heads * qk_head_dim, order=order)
@@ -441,9 +449,9 @@ def _mla_tensors(model: SyntheticModel, maker: _TensorMaker, prefix: str) -> Ite
     kv_a_out = model.kv_lora_rank + model.qk_rope_head_dim
     yield from maker.linear(f"{prefix}.kv_a_proj_with_mqa", hidden, kv_a_out, order=order)
     yield f"{prefix}.kv_a_layernorm.weight", maker.ones(model.kv_lora_rank)
-    kv_b_out = heads * (MLA_QK_NOPE_HEAD_DIM + MLA_V_HEAD_DIM)
+    kv_b_out = heads * (model.qk_nope_head_dim + model.v_head_dim)
     yield from maker.linear(f"{prefix}.kv_b_proj", model.kv_lora_rank, kv_b_out)
-    yield from maker.linear(f"{prefix}.o_proj", heads * MLA_V_HEAD_DIM, hidden)
+    yield from maker.linear(f"{prefix}.o_proj", heads * model.v_head_dim, hidden)
 
 
 def _moe_tensors(model: SyntheticModel, maker: _TensorMaker, block: str) -> Iterator[tuple[str, torch.Tensor]]:

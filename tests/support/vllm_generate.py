@@ -4,7 +4,10 @@ Usage: ``python vllm_generate.py CHECKPOINT DTYPE PROMPT_IDS(comma-separated) NE
 generated token ids, for every generated position the raw logits over the whole vocabulary (vLLM's
 ``logprobs_mode="raw_logits"``), and which method ran each GPTQ linear the plugin chose for (``gptq_linears``).
 With ``REPACK_TEST_NO_VLLM_GPTQ_KERNEL=1`` the plugin's probe for vLLM's CPU GPTQ kernel answers "absent", as on
-a CPU without AVX-512 (the engine runs in this process, so the patch reaches it). A process of its own because
+a CPU without AVX-512 (the engine runs in this process, so the patch reaches it). ``REPACK_TEST_PARALLEL=tp2``
+serves the model on two tensor-parallel ranks, ``ep2`` on two expert-parallel ones (vLLM's worker processes,
+gloo between them; their threads left unpinned, since vLLM's CPU build pins each rank to a NUMA node otherwise
+and refuses two ranks on one node). A process of its own because
 vLLM's engine (distributed state, the CPU KV cache) is set up once per process; the engine runs in this process
 (no engine-core subprocess) with a small KV cache, the kernels in Triton's interpreter.
 """
@@ -20,6 +23,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 KV_CACHE_BYTES = 64 << 20
 NO_VLLM_GPTQ_KERNEL = "REPACK_TEST_NO_VLLM_GPTQ_KERNEL"
+PARALLEL = "REPACK_TEST_PARALLEL"
+PARALLEL_ARGS = {
+    "": {},
+    "tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True, "distributed_executor_backend": "mp"},
+}
 
 
 def gptq_linear_methods(model) -> list[str]:
@@ -37,6 +46,9 @@ def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) ->
         from repack.runtime.integrations.vllm import internals
 
         internals.vllm_cpu_gptq_kernel_loaded = lambda: False
+    parallel = PARALLEL_ARGS[os.environ.get(PARALLEL, "")]
+    if parallel:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with open(os.path.join(checkpoint, "config.json")) as handle:
         vocab = json.load(handle)["vocab_size"]
     llm = LLM(
@@ -48,6 +60,7 @@ def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) ->
         gpu_memory_utilization=0.1,
         logprobs_mode="raw_logits",
         max_logprobs=vocab,
+        **parallel,
     )
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=vocab, ignore_eos=True)
     output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
@@ -57,7 +70,7 @@ def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) ->
         for token, entry in step.items():
             row[token] = entry.logprob
         logits.append(row)
-    linears = llm.apply_model(gptq_linear_methods)[0]
+    linears = sorted({name for rank in llm.apply_model(gptq_linear_methods) for name in rank})
     return {"tokens": list(output.token_ids), "logits": logits, "gptq_linears": linears}
 
 

@@ -42,6 +42,7 @@ def converted(tmp_path_factory):
     expert joins."""
     from repack.formats.gptq import GptqScheme
     from repack.synthetic import write_demo_checkpoint, write_synthetic_checkpoint
+    from tests.support.checkpoints import VLLM_MLA_DIMS
 
     root = tmp_path_factory.mktemp("vllm-checkpoints")
     cache: dict[str, Path] = {}
@@ -64,8 +65,7 @@ def converted(tmp_path_factory):
                 root / f"{name}-source",
                 family=name,
                 dense_first_layers=1,
-                kv_lora_rank=512,  # vLLM's CPU MLA kernel takes only DeepSeek's latent: 512 + 64
-                qk_rope_head_dim=64,
+                **VLLM_MLA_DIMS,  # what vLLM's MLA takes, on the CPU and on the H200
                 **small,
             )
         elif name == "qwen2moe-joined-actorder":  # shared expert = 2 routed-size chunks, stored joinable; act-order

@@ -19,6 +19,25 @@ What is touched (vLLM 0.26 and 0.32 alike, read in both sources):
   through them, moe.py): 0.32's ``AutoWeightsLoader`` calls ``get_checkpoint_weight_mapper``; 0.26 has no such
   hook, and the one mapper its loader takes from the config at that very place is ``get_cache_scale_mapper``
   (:func:`vllm_takes_checkpoint_weight_mapper`).
+- ``RoutedExperts.load_weights``, which the plugin replaces on each experts layer it owns
+  (:func:`take_experts_loading`), because the two versions treat a stored stack differently there. Families
+  loaded by ``AutoWeightsLoader`` (Qwen2/3-MoE, Mixtral) reach the experts only through
+  ``MoERunner.load_weights``, which hands everything under ``<block>.experts.`` to
+  ``self.routed_experts.load_weights``. vLLM 0.26's takes every 3-D tensor for a fused ``[E, N, K]`` checkpoint
+  tensor whatever its name: a gate/up one (``experts.0.gate_proj.*``) is transposed unless its last axis is H,
+  cut in two along axis 1 and unbound into experts, so ``w13_qweight [E, 2I, H/8]`` reaches the parameter's
+  ``weight_loader`` as slices ``[H/16, 2I]`` (seen on the H200: ``[16, 768]`` for ``[8, 768, 32]``) and half of
+  it never; a down one is unbound per expert. vLLM 0.32's passes a tensor whose name carries an expert id whole,
+  as "expert 0". DeepSeek's own ``load_weights`` (both versions) calls the parameter's ``weight_loader`` with
+  the whole tensor itself. The names that reach the experts layer are ours (``0.gate_proj.qweight``), or the
+  layer's own projection names (``ckpt_gate_proj_name``/``ckpt_down_proj_name``) where the model's loader renames
+  ours: vLLM 0.32's Mixtral maps ``.gate_proj.`` to ``.w1.``; 0.26's does not, and its own experts loader, whose
+  expert names are ``w1``/``w2``/``w3`` there, would pass our stacks by without a word.
+- ``RoutedExperts.expert_map`` (global expert id -> this rank's, -1 elsewhere) and the rank layout in
+  ``FusedMoEConfig.moe_parallel_config`` (``tp_rank``/``tp_size``, ``ep_rank``/``ep_size``, ``use_ep``,
+  ``dp_size``, ``pcp_size``): which slice of each stack this rank keeps (:func:`moe_parallel`); under expert
+  parallelism vLLM flattens TP into EP (``tp_size`` 1, ``ep_size`` the TP size), and the runner all-reduces the
+  block's output over the TP group either way. ``LinearBase.tp_rank``/``tp_size``: a linear's rank (linear.py).
 
 :data:`VLLM_API` lists every name per tested version; :func:`missing_vllm_api` resolves them against the vLLM
 installed (tests/vllm on 0.32, tests/gpu/vllm_agreement.py's preflight on 0.26), and tests/runtime builds stand-in
@@ -27,12 +46,17 @@ vLLM modules from each version's list and imports the plugin against them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
 import torch
 
 from repack.runtime.integrations.vllm import installed_vllm_version, unsupported_vllm
 
 CPU_GPTQ_OP = "cpu_gemm_wna16"  # what vLLM's CPUWNA16LinearKernel runs; only the AVX-512 build of _C registers it
 CHECKPOINT_MAPPER_HOOK = "get_checkpoint_weight_mapper"
+# What the plugin reads of vLLM's FusedMoEParallelConfig (a dataclass: fields, no class attributes).
+MOE_PARALLEL_FIELDS = ("tp_rank", "tp_size", "ep_rank", "ep_size", "use_ep", "dp_size", "pcp_size")
 
 # "module" is a module; "module:Name" a module attribute; "module:Class.name" a class attribute or method, or an
 # attribute every instance gets in the class's ``__init__`` (read from its source).
@@ -57,6 +81,14 @@ _COMMON_API = (
     f"{_FUSED_MOE}:RoutedExperts.moe_config",
     f"{_FUSED_MOE}:RoutedExperts.routed_scaling_factor",
     f"{_FUSED_MOE}:RoutedExperts.e_score_correction_bias",
+    f"{_FUSED_MOE}:RoutedExperts.load_weights",
+    f"{_FUSED_MOE}:RoutedExperts.ckpt_gate_proj_name",
+    f"{_FUSED_MOE}:RoutedExperts.ckpt_down_proj_name",
+    f"{_FUSED_MOE}:RoutedExperts.expert_map",
+    f"{_FUSED_MOE}.runner.moe_runner:MoERunner.load_weights",
+    f"{_FUSED_MOE}.runner.moe_runner:MoERunner.routed_experts",
+    f"{_FUSED_MOE}:FusedMoEConfig.moe_parallel_config",
+    *(f"{_FUSED_MOE}.config:FusedMoEParallelConfig.{field}" for field in MOE_PARALLEL_FIELDS),
     f"{_FUSED_MOE}:SharedExperts._layer",
     f"{_FUSED_MOE}:SharedExperts._output",
     f"{_FUSED_MOE}:SharedExperts._output_idx",
@@ -70,11 +102,15 @@ _COMMON_API = (
     f"{_METHOD_BASE}.is_monolithic",
     f"{_METHOD_BASE}.mk_can_overlap_shared_experts",
     "vllm.model_executor.layers.linear:LinearBase",
+    "vllm.model_executor.layers.linear:LinearBase.tp_rank",
+    "vllm.model_executor.layers.linear:LinearBase.tp_size",
     "vllm.model_executor.layers.linear:LinearMethodBase",
     "vllm.model_executor.layers.linear:UnquantizedLinearMethod",
     "vllm.model_executor.layers.linear:register_weight_loader_v2_supported_method",
     "vllm.model_executor.parameter:GroupQuantScaleParameter",
     "vllm.model_executor.parameter:PackedvLLMParameter",
+    "vllm.model_executor.parameter:ChannelQuantScaleParameter",
+    "vllm.model_executor.parameter:PackedColumnParameter",
     "vllm.model_executor.models.utils:WeightsMapper",
     "vllm.transformers_utils.config:get_safetensors_params_metadata",
     "vllm.config:get_current_vllm_config",
@@ -107,6 +143,8 @@ def _resolves(name: str) -> bool:
     owner = getattr(owner, head, None)
     if owner is None or not attribute or hasattr(owner, attribute):
         return owner is not None
+    if attribute in getattr(owner, "__dataclass_fields__", {}):  # a dataclass field without a default
+        return True
     try:  # an attribute each instance gets in __init__
         source = inspect.getsource(owner.__init__)
     except (OSError, TypeError):
@@ -155,3 +193,57 @@ def vllm_cpu_gptq_kernel_loaded() -> bool:
     import vllm._custom_ops  # noqa: F401  (loads the op library this host's CPU build uses)
 
     return hasattr(torch.ops._C, CPU_GPTQ_OP)
+
+
+def take_experts_loading(layer: torch.nn.Module, loader: Callable[[Iterable], Iterable[str]]) -> None:
+    """Make ``loader`` the ``load_weights`` of this one experts layer (``RoutedExperts``), whose parameters are the
+    plugin's stacks: vLLM's own treats a stored stack as 0.26 or 0.32 would (module doc), ours hands each stack
+    tensor whole to its parameter's ``weight_loader`` on both. ``loader`` receives the runner's ``(name, tensor)``
+    pairs (names relative to ``<block>.experts``, as ``MoERunner.load_weights`` passes them) and yields the
+    parameter names it loaded, as vLLM's does."""
+    vllm_attribute(layer, "load_weights")  # the method replaced exists on this vLLM (else the version line)
+    layer.load_weights = loader
+
+
+@dataclass(frozen=True)
+class MoeParallel:
+    """This rank's place in an experts layer's tensor- and expert-parallel layout (vLLM's FusedMoEParallelConfig).
+
+    Under expert parallelism vLLM flattens the TP group into the EP group (``tp_size`` 1, ``ep_size`` = the TP
+    size, ``ep_rank`` = the TP rank) and the runner still all-reduces the block's output over the TP group."""
+
+    tp_rank: int
+    tp_size: int
+    ep_rank: int
+    ep_size: int
+    use_ep: bool
+    dp_size: int
+    pcp_size: int
+
+    @property
+    def group(self) -> tuple[int, int]:
+        """(rank, size) in the group whose all-reduce sums this layer's output: the TP group, which is the EP
+        group under expert parallelism (with one data- and one context-parallel rank, :func:`moe_parallel`)."""
+        return (self.ep_rank, self.ep_size) if self.use_ep else (self.tp_rank, self.tp_size)
+
+
+def moe_parallel(moe_config) -> MoeParallel:
+    """The rank layout vLLM built ``moe_config`` (a FusedMoEConfig) with."""
+    config = vllm_attribute(moe_config, "moe_parallel_config")
+    return MoeParallel(**{name: vllm_attribute(config, name) for name in MOE_PARALLEL_FIELDS})
+
+
+def local_experts(layer: torch.nn.Module, num_experts: int) -> list[int]:
+    """The global ids of the experts this rank holds, in its local order (vLLM's ``expert_map``: global id ->
+    local id or -1; None when every expert is local)."""
+    mapping = vllm_attribute(layer, "expert_map")
+    if mapping is None:
+        return list(range(num_experts))
+    mapping = mapping.tolist()
+    local = sorted((slot, expert) for expert, slot in enumerate(mapping) if slot >= 0)
+    return [expert for _, expert in local]
+
+
+def linear_rank(layer: torch.nn.Module) -> tuple[int, int]:
+    """(rank, size) of a vLLM linear layer's tensor-parallel group."""
+    return vllm_attribute(layer, "tp_rank"), vllm_attribute(layer, "tp_size")

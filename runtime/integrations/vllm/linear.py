@@ -7,6 +7,11 @@ a CPU without AVX-512, whose vLLM op library lacks that kernel) runs
 :func:`repack.runtime.kernels.gptq_linear.gptq_linear` on the stored tensors. vLLM merges q/k/v and gate/up into
 one layer; its parameter classes place each source linear's tensors at that shard's columns, exactly as for
 vLLM's own GPTQ method, and the merged linear is one GPTQ linear over the concatenated output columns.
+
+Under tensor parallelism the same parameter classes cut each rank's part as they load it: a column-parallel
+rank keeps its output columns, a row-parallel one its input rows (qweight words, g_idx) and either the scales
+and zero points of its groups or, for act-order (whose g_idx reads groups anywhere in the input) and for a
+single group, all of them, as vLLM's GPTQ method does. The rank's g_idx then names groups of its own scales.
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
-from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+from vllm.model_executor.parameter import (
+    ChannelQuantScaleParameter,
+    GroupQuantScaleParameter,
+    PackedColumnParameter,
+    PackedvLLMParameter,
+)
 
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, trivial_g_idx
@@ -49,6 +59,7 @@ class GptqLinearMethod(LinearMethodBase):
     def __init__(self, scheme: GptqScheme, name: str, act_order: bool) -> None:
         self.scheme = scheme
         self.name = name
+        self.act_order = act_order
         self.inner: LinearMethodBase | None = vllm_gptq_method(scheme, act_order)
         self.uses_vllm = self.inner is not None
 
@@ -62,7 +73,7 @@ class GptqLinearMethod(LinearMethodBase):
                 return
             except ValueError:  # "Failed to find a kernel that can implement the WNA16 linear layer"
                 pass
-        self.inner = RepackGptqLinearMethod(self.scheme, self.name)
+        self.inner = RepackGptqLinearMethod(self.scheme, self.name, self.act_order)
         self.uses_vllm = False
         self.inner.create_weights(layer, input_size_per_partition, *args, **kwargs)
 
@@ -74,11 +85,18 @@ class GptqLinearMethod(LinearMethodBase):
 
 
 class RepackGptqLinearMethod(LinearMethodBase):
-    """A GPTQ linear as stored (``qweight``, ``qzeros``, ``scales``, ``g_idx``), run by our Triton kernel."""
+    """A GPTQ linear as stored (``qweight``, ``qzeros``, ``scales``, ``g_idx``), run by our Triton kernel.
 
-    def __init__(self, scheme: GptqScheme, name: str) -> None:
+    ``act_order`` (the source's ``desc_act``): a row-parallel rank keeps every group's scales (module doc)."""
+
+    def __init__(self, scheme: GptqScheme, name: str, act_order: bool = False) -> None:
         self.scheme = scheme
         self.name = name
+        self.act_order = act_order
+        self.input_size = 0  # of the whole linear
+        self.g_idx_rows: tuple[int, int] = (0, 0)  # (first input row, rows) of this rank's g_idx
+        self.cut_groups = False  # a row-parallel rank keeping only its own groups' scales
+        self.group_offset = 0  # then: the rank's first group
 
     def create_weights(
         self,
@@ -90,40 +108,49 @@ class RepackGptqLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
+        rank, _ = internals.linear_rank(layer)
         out_features = sum(output_partition_sizes)
-        if input_size_per_partition != input_size or out_features != output_size:
-            raise RepackError(
-                f"{self.name}: tensor parallelism is not supported by the repack plugin; serve with "
-                "--tensor-parallel-size 1"
-            )
+        in_features = input_size_per_partition
         pack = 32 // self.scheme.bits
-        groups = self.scheme.groups(input_size)
+        group = self.scheme.group_size
+        row_parallel = in_features != input_size
+        all_groups = row_parallel and (group == -1 or self.act_order)  # every rank keeps all scale rows
+        cut_groups = row_parallel and not all_groups
+        if in_features % pack or out_features % pack or (cut_groups and in_features % group):
+            raise RepackError(
+                f"{self.name}: this tensor-parallel rank's part ({in_features} inputs, {out_features} outputs) does "
+                f"not fall on whole {pack}-element words{' and groups of ' + str(group) if cut_groups else ''}; "
+                "serve with a --tensor-parallel-size that divides the layer so (or 1)"
+            )
+        groups = self.scheme.groups(input_size if all_groups else in_features)
+        self.input_size = input_size
+        self.g_idx_rows = (rank * in_features if row_parallel else 0, in_features)
+        self.cut_groups = cut_groups
+        self.group_offset = rank * in_features // group if cut_groups else 0
         weight_loader = extra_weight_attrs["weight_loader"]
         qweight = PackedvLLMParameter(
-            data=torch.empty(input_size // pack, out_features, dtype=torch.int32),
+            data=torch.empty(in_features // pack, out_features, dtype=torch.int32),
             input_dim=0,
             output_dim=1,
             packed_dim=0,
             packed_factor=pack,
             weight_loader=weight_loader,
         )
-        qzeros = PackedvLLMParameter(
-            data=torch.empty(groups, out_features // pack, dtype=torch.int32),
-            input_dim=0,
-            output_dim=1,
-            packed_dim=1,
-            packed_factor=pack,
-            weight_loader=weight_loader,
-        )
+        zeros = torch.empty(groups, out_features // pack, dtype=torch.int32)
         # Scales keep the stored float16 (as transformers' path does): the kernel rounds with them as stored.
-        scales = GroupQuantScaleParameter(
-            data=torch.empty(groups, out_features, dtype=torch.float16),
-            input_dim=0,
-            output_dim=1,
-            weight_loader=weight_loader,
-        )
+        scale_rows = torch.empty(groups, out_features, dtype=torch.float16)
+        if all_groups:
+            qzeros = PackedColumnParameter(
+                data=zeros, output_dim=1, packed_dim=1, packed_factor=pack, weight_loader=weight_loader
+            )
+            scales = ChannelQuantScaleParameter(data=scale_rows, output_dim=1, weight_loader=weight_loader)
+        else:
+            qzeros = PackedvLLMParameter(
+                data=zeros, input_dim=0, output_dim=1, packed_dim=1, packed_factor=pack, weight_loader=weight_loader
+            )
+            scales = GroupQuantScaleParameter(data=scale_rows, input_dim=0, output_dim=1, weight_loader=weight_loader)
         # Trivial groups until a stored g_idx is loaded: linears converted from AWQ or compressed-tensors store none.
-        g_idx = nn.Parameter(trivial_g_idx(input_size, self.scheme), requires_grad=False)
+        g_idx = nn.Parameter(trivial_g_idx(in_features, self.scheme), requires_grad=False)
         g_idx.weight_loader = self.load_g_idx  # type: ignore[attr-defined]
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
@@ -131,10 +158,18 @@ class RepackGptqLinearMethod(LinearMethodBase):
         layer.register_parameter("g_idx", g_idx)
 
     def load_g_idx(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        """Every shard of a merged linear reads the one input, so their g_idx must agree; the first one is kept."""
-        if tuple(loaded_weight.shape) != tuple(param.shape):
+        """This rank's rows of the stored g_idx, its groups numbered from the rank's first scale row. Every shard
+        of a merged linear reads the one input, so their g_idx must agree; the first one is kept."""
+        if list(loaded_weight.shape) != [self.input_size]:
             raise RepackError(
-                f"{self.name}.g_idx: shape {list(loaded_weight.shape)} != {list(param.shape)}; re-run `repack convert`"
+                f"{self.name}.g_idx: shape {list(loaded_weight.shape)} != [{self.input_size}]; re-run `repack convert`"
+            )
+        first, rows = self.g_idx_rows
+        loaded_weight = loaded_weight[first : first + rows].to(torch.int32) - self.group_offset
+        if self.cut_groups and (loaded_weight.min() < 0 or loaded_weight.max() >= self.scheme.groups(rows)):
+            raise RepackError(
+                f"{self.name}.g_idx: this tensor-parallel rank's inputs read groups outside its own (an act-order "
+                "g_idx in a checkpoint whose desc_act is false); serve with --tensor-parallel-size 1"
             )
         if getattr(param, "repack_loaded", False):
             if not torch.equal(param.data, loaded_weight.to(param.device, torch.int32)):
