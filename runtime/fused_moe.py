@@ -141,7 +141,7 @@ def fused_moe(
     ``topk_ids`` [M, T] (int32 or int64, values in [0, E)), ``topk_weights`` [M, T] (any float dtype).
     ``config`` overrides the tuned/heuristic kernel config: a :class:`KernelConfig`, or a dict in the tables'
     spelling (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, and optionally DIRECT, WEIGHT_MAJOR,
-    SCALE_ACC, SPLIT_K, QUANT_AHEAD, PORTABLE, GLUON, REDUCE, PREFETCH, NIBBLE_DOTS: runtime/kernel_config.py).
+    SCALE_ACC, SPLIT_K, QUANT_AHEAD, PORTABLE, GLUON, REDUCE, PREFETCH: runtime/kernel_config.py).
     ``out`` receives the result.
     """
     _check_inputs(hidden_states, weights, topk_ids, topk_weights)

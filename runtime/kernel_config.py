@@ -14,7 +14,8 @@ JSON tables (vLLM style) live in ``runtime/configs/`` (or ``$REPACK_MOE_CONFIG_D
 entry in the Triton spelling: ``BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages`` always, then
 ``DIRECT`` / ``WEIGHT_MAJOR`` (which family: :meth:`KernelConfig.from_dict`), ``SCALE_ACC``, ``SPLIT_K``,
 ``QUANT_AHEAD``, ``PORTABLE`` (true: the tl kernels, never Gluon), ``GLUON`` (a :class:`GluonTile` as a list),
-and the tuning-only ``REDUCE``, ``PREFETCH``, ``NIBBLE_DOTS``. The entry with the nearest M is used.
+and the tuning-only ``REDUCE``, ``PREFETCH``; ``NIBBLE_DOTS`` (retired) is read and ignored. The entry with the
+nearest M is used.
 ``repack tune`` (runtime/tune.py) and benchmarks/make_configs.py write them.
 """
 
@@ -136,7 +137,6 @@ class KernelConfig:
     # zeroed output ("out": no launch for the sum at all; fp16 only, KERNEL_NOTES item 18)
     reduce: str = "pairs"
     prefetch: int = 1  # DECODE: K blocks of weights loaded ahead (1 or 2)
-    nibble_dots: bool = False  # GPTQ_ORDER: one dot per nibble position instead of an unpacking reshape
     # the Gluon sm_90 kernels (runtime/kernels/gluon_sm90.py): with this tile where they can run; or, ``portable``,
     # never, not even where they would run by default (a tl config that won a tuning on sm_90)
     portable: bool = False
@@ -163,7 +163,7 @@ class KernelConfig:
         missing = [k for k in CONFIG_KEYS if k not in entry]
         if missing:
             raise RepackError(f"kernel config lacks {', '.join(missing)}")
-        unknown = [k for k in entry if k not in JSON_KEYS]
+        unknown = [k for k in entry if k not in JSON_KEYS and k not in RETIRED_KEYS]
         if unknown:
             raise RepackError(
                 f"kernel config: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(JSON_KEYS)}"
@@ -173,7 +173,9 @@ class KernelConfig:
             kernels = Kernels.WEIGHT_MAJOR
         else:
             kernels = Kernels.DECODE if direct else Kernels.GPTQ_ORDER
-        values = {JSON_KEYS[k]: entry[k] for k in entry if k not in ("DIRECT", "WEIGHT_MAJOR", "GLUON")}
+        values = {
+            JSON_KEYS[k]: entry[k] for k in entry if k in JSON_KEYS and k not in ("DIRECT", "WEIGHT_MAJOR", "GLUON")
+        }
         types = {f.name: f.type for f in fields(cls)}
         typed = {
             name: (bool(v) if types[name] == "bool" else int(v) if types[name] == "int" else v)
@@ -235,12 +237,14 @@ JSON_KEYS = {  # table key -> KernelConfig field ("WEIGHT_MAJOR" and "DIRECT" to
     "QUANT_AHEAD": "quant_ahead",
     "REDUCE": "reduce",
     "PREFETCH": "prefetch",
-    "NIBBLE_DOTS": "nibble_dots",
     "PORTABLE": "portable",
     "GLUON": "gluon",
 }
 _SIZES = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-_SWITCHES = ("scale_acc", "split_k", "quant_ahead", "reduce", "prefetch", "nibble_dots", "portable")
+# Read and ignored: NIBBLE_DOTS chose the gptq-order kernels' one dot per nibble position, which no shipped table chose
+# (retired; the int16 reshape path runs such an entry).
+RETIRED_KEYS = ("NIBBLE_DOTS",)
+_SWITCHES = ("scale_acc", "split_k", "quant_ahead", "reduce", "prefetch", "portable")
 _DEFAULTS = KernelConfig(Kernels.GPTQ_ORDER, 16, 16, 16, 1, 1, 1)
 
 

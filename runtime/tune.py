@@ -57,9 +57,7 @@ _TILES = (  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     (128, 256, 128, 8, 8, 2),
 )
 TENSOR_CORE_CONFIGS = [  # the gptq-order kernels (runtime/kernels/gptq_order.py)
-    KernelConfig(Kernels.GPTQ_ORDER, bm, bn, bk, g, w, st, nibble_dots=nibble)
-    for bm, bn, bk, g, w, st in _TILES
-    for nibble in ((False, True) if bk == 128 else (False,))
+    KernelConfig(Kernels.GPTQ_ORDER, bm, bn, bk, g, w, st) for bm, bn, bk, g, w, st in _TILES
 ]
 _WEIGHT_MAJOR_TILES = (  # BLOCK_M (tokens), BLOCK_N (w2 rows; w13 channels), GROUP_M, warps, stages
     (16, 64, 1, 4, 3),

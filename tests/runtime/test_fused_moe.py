@@ -153,8 +153,9 @@ def test_direct_asym_v1_act_order_g32_atomic_reduce(device, prefetch):
     [(GptqScheme(4, 128, True, "gptq"), True), (GptqScheme(4, -1, False, "gptq_v2"), False)],
     ids=["sym-g128-actorder", "asym-per-channel"],
 )
-def test_aligned_nibble_dots(device, scheme, act_order):
-    """The tensor-core path that runs one dot per nibble position on the int32 words."""
+def test_aligned_gptq_order_steps_of_128_read_an_old_nibble_dots_entry(device, scheme, act_order):
+    """The gptq-order kernels with K steps of 128 (one group per step, or a whole-K group), from an entry that asks
+    for the retired per-nibble dots: the key is read, and the int16 reshape path runs."""
     weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order)
     config = dict(BIG, BLOCK_M=16, BLOCK_K=128, NIBBLE_DOTS=True)
     err = run_case(weights, sources, scheme, 24, 2, [0, 1, 3], config, device, seed=7)

@@ -62,8 +62,7 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
 
     asym = variant == "asym_actorder"
     ptr = "*bf16" if act == "bfloat16" else "*fp16"
-    nibble = cfg.nibble_dots
-    word = "*i32" if nibble or cfg.kernels is not Kernels.GPTQ_ORDER else "*i16"
+    word = "*i32" if cfg.kernels is not Kernels.GPTQ_ORDER else "*i16"
     types = dict(
         x_ptr=ptr,
         inter_ptr=ptr,
@@ -109,15 +108,7 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
         routing = dict(ROUTE=not asym, RENORMALIZE=True, BLOCK_E=128)  # routes where it can
         _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr), dict(prepare, **routing), 1, 1)
     else:
-        mma = dict(
-            common,
-            EXPONENT_TRICK=True,
-            NIBBLE_DOTS=nibble,
-            SCALE_ACC=cfg.scale_acc,
-            BLOCK_M=cfg.block_m,
-            GROUP_M=cfg.group_m,
-            **tiles,
-        )
+        mma = dict(common, EXPONENT_TRICK=True, BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, **tiles)
         w13 = _compile(_w13_kernel, types, {**mma, "HAS_PERM": asym}, *launch)
         w2 = _compile(_w2_kernel, types2, {**mma, "ATOMIC": atomic}, *launch)
     shared = {"w13": w13.metadata.shared, "w2": w2.metadata.shared}
