@@ -33,19 +33,27 @@ The kernels build their layouts themselves, from their tile constexprs and warp 
 helpers below): a launch passes the tile, nothing about how threads hold it.
 
 Needs an ``mma128`` stack (4-bit, K % 128 == 0, groups a multiple of 128 or -1) and a GPU of compute
-capability 9.0; :func:`available` says whether this Triton has the Gluon Hopper API at all.
+capability 9.0; :func:`available` says whether this Triton has the Gluon Hopper API at all. The ``gluon_sm90``
+family (:data:`FAMILY`): aligned row blocks of its tile's ``block_m``, w13 clearing the [M, H] target w2 adds the
+top-k into; where it does not run, a ``gluon_sm90`` config's tl tile runs on the weight-major kernels.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import replace
 
 import torch
 import triton
 
-from repack.runtime.kernel_config import GluonTile, KernelConfig
+from repack.runtime.kernel_config import Family, GluonTile, KernelConfig
+from repack.runtime.kernels import weight_major
+from repack.runtime.kernels.act_order import gather_act_order
 from repack.runtime.kernels.align import Alignment
+from repack.runtime.kernels.backend import interpreter_active
 from repack.runtime.kernels.common import tile_ids
+from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.weights import MoeWeights
 
 try:  # Gluon's Hopper API (Triton >= 3.5); the portable tl kernels serve where it is missing.
@@ -64,6 +72,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = exc
 
 STEP_K = 128  # K values per step: 16 int32 words per row, eight 16-deep wgmmas
+PORTABLE_ENV = "REPACK_PORTABLE_KERNELS"  # "1": never these kernels (the tl kernels everywhere)
+GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": these kernels for every aligned tensor-core call they can run, their tile
 # Act-order stacks: each pair's row gathered once (kernels/act_order.py), then the plain kernels; False keeps the
 # in-loop column gather (the comparison benchmarks/probe_glue.py measures).
 ACT_ORDER_GATHER = True
@@ -74,7 +84,21 @@ def available() -> bool:
     return _IMPORT_ERROR is None
 
 
-def heuristic(num_pairs: int, num_experts: int) -> GluonTile:
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels can run on ``device``: a CUDA (not ROCm) GPU of compute capability 9.0, kernels
+    compiled rather than interpreted (Gluon has no interpreter), and a Triton that ships Gluon's Hopper API."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return available() and not interpreter_active() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def reads(weights: MoeWeights) -> bool:
+    """Whether these kernels read this stack: mma128 words (4-bit, K % 128 == 0, groups a multiple of 128)."""
+    return weights.mma_order and weights.bits == 4
+
+
+def heuristic_tile(num_pairs: int, num_experts: int) -> GluonTile:
     """A tile for a shape nobody tuned: the token tile follows the rows each expert gets; past 48 two warpgroups
     share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16)."""
     per_expert = num_pairs / max(1, num_experts)
@@ -107,7 +131,7 @@ def preferred(weights: MoeWeights, dtype: torch.dtype, num_pairs: int) -> bool:
     return dtype == torch.float16 or num_pairs / max(1, weights.num_experts) > 48
 
 
-# Every tile the heuristic picks: the CPU compile test builds each for sm_90.
+# Every tile heuristic_tile picks: the CPU compile test builds each for sm_90.
 SHIPPED_TILES = (
     GluonTile(16, 64, 1),
     GluonTile(32, 64, 4),
@@ -470,14 +494,9 @@ if available():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def supports(weights: MoeWeights) -> bool:
-    """Whether these kernels read this stack: mma128 words (4-bit, K % 128 == 0, groups a multiple of 128)."""
-    return weights.mma_order and weights.bits == 4
-
-
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,
                      has_perm: bool = False, atomic: bool = False, zero_out: bool = False) -> dict:  # fmt: skip
-    """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`run` launches
+    """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`launch` launches
     and the CPU compile test (tests/runtime/test_gluon_compile_sm90.py) builds. The layouts are the kernels' own."""
     flags = dict(HAS_PERM=has_perm, ZERO_OUT=zero_out) if kernel == "w13" else dict(ATOMIC=atomic)
     return dict(
@@ -494,9 +513,9 @@ def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int
     )
 
 
-def run(
+def launch(
     x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
-    weights: MoeWeights,  # an mma128 stack (:func:`supports`)
+    weights: MoeWeights,  # an mma128 stack (:func:`reads`)
     topk_ids: torch.Tensor,  # [M, T] int32/int64
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment,  # pairs sorted by expert into blocks of config.gluon.block_m
@@ -509,7 +528,7 @@ def run(
     weighted w2 output, added to in fp32 (``reduce="atomic"``) or one row per pair."""
     tile = config.gluon
     if tile is None or rows.block_m != tile.block_m:
-        raise ValueError(f"gluon_sm90.run: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
+        raise ValueError(f"gluon_sm90.launch: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
     route_w, top_k, atomic = topk_weights, topk_ids.shape[1], config.reduce != "pairs"
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     num_pid_m = rows.max_blocks
@@ -535,3 +554,54 @@ def run(
         **launch_constants(tile, "w2", top_k=top_k, group_len=weights.group_len(n_inter), has_zeros=has_zeros,
                            atomic=atomic),
     )  # fmt: skip
+
+
+class GluonSm90(KernelFamily):
+    """mma128 stacks on a Hopper GPU (:func:`reads`, :func:`runs_on`), unless $PORTABLE_ENV."""
+
+    family = Family.GLUON_SM90
+    topk_sum = TopkSum.BY_REDUCE
+    clears_target = True  # w13 zeroes the [M, H] target ("atomic", "out") w2 adds into
+
+    def supports(self, call: Call) -> bool:
+        return reads(call.weights) and os.environ.get(PORTABLE_ENV, "") != "1" and runs_on(call.device)
+
+    def asked_by(self, config: KernelConfig) -> bool:
+        """Its own configs and, where $GLUON_ENV is "1", every aligned tensor-core one."""
+        tensor_core = config.family is not Family.DECODE and not config.direct
+        return config.family is self.family or (tensor_core and os.environ.get(GLUON_ENV, "") == "1")
+
+    def configure(self, config: KernelConfig, call: Call) -> KernelConfig | None:
+        """A config with a tile of these kernels runs it; one without takes :func:`heuristic_tile`'s tile and
+        :func:`heuristic_reduce`'s sum, where :func:`preferred` (or $GLUON_ENV) says so."""
+        if not self.supports(call):
+            return None
+        tile, reduce = config.gluon, config.reduce
+        if tile is None:
+            asked = os.environ.get(GLUON_ENV, "") == "1"
+            if not asked and not preferred(call.weights, call.dtype, call.num_pairs):
+                return None
+            tile, reduce = heuristic_tile(call.num_pairs, call.weights.num_experts), heuristic_reduce(call.dtype)
+        return replace(config, family=self.family, gluon=tile, reduce=reduce)
+
+    def heuristic(self, call: Call) -> KernelConfig | None:
+        """Where these kernels run and are :func:`preferred` (or $GLUON_ENV asks): their heuristic's tile and sum,
+        beside the weight-major heuristic's tl tile."""
+        tl_tile = weight_major.heuristic_tile(call.num_pairs, call.weights.num_experts)
+        return self.configure(KernelConfig(Family.GLUON_SM90, **tl_tile, scale_acc=False), call)
+
+    def block_rows(self, config: KernelConfig) -> int:
+        return config.gluon.block_m
+
+    def run(self, work: Work, config: KernelConfig) -> None:
+        """Act-order stacks (:data:`ACT_ORDER_GATHER`): each pair's row gathered once, then the plain kernels."""
+        x, weights, x_per_pair = work.x, work.weights, False
+        inter = torch.empty(work.topk_ids.numel(), weights.intermediate_size, dtype=x.dtype, device=x.device)
+        if weights.w13_perm is not None and ACT_ORDER_GATHER:
+            x, x_per_pair = gather_act_order(x, work.topk_ids, weights.w13_perm), True
+            weights = replace(weights, w13_perm=None)
+        launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config,
+               x_per_pair=x_per_pair)  # fmt: skip
+
+
+FAMILY = GluonSm90()

@@ -14,19 +14,22 @@ benchmarks/KERNEL_NOTES.md items 4 and 7.
   shift and a mask give the nibble, an OR with 0x6400 and a bitcast give the fp16 ``1024 + q`` with no
   int-to-float conversion, then ``(v - (1024 + zero)) * scale`` (the subtraction is exact, the product rounds
   once: GPTQModel's own ``fp16(scale * (q - zero))``). bf16 uses ``0x4300`` (128 + q) and an fp32 product.
-A per-nibble-dot variant (``NIBBLE_DOTS``) was retired: no shipped table or default chose it; KERNEL_NOTES.md item 4
-has its numbers.
+The ``gptq_order`` family (:data:`FAMILY`): gptq-order stacks only, always aligned, the top-k sum as the config's
+``reduce`` says; it runs another family's tl tile where that family cannot read the stack. (A per-nibble-dot variant,
+``NIBBLE_DOTS``, was retired: no shipped table or default chose it; KERNEL_NOTES.md item 4 has its numbers.)
 
 Dimension letters: runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernel_config import KernelConfig
+from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.common import (
     TL_DTYPES,
@@ -37,6 +40,8 @@ from repack.runtime.kernels.common import (
     tile_ids,
     word_mask,
 )
+from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
+from repack.runtime.kernels.weight_major import heuristic_tile
 from repack.runtime.weights import MoeWeights
 
 
@@ -199,7 +204,7 @@ def _w2_kernel(
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :], acc.to(ACT_DTYPE), mask=mask)
 
 
-def run(
+def launch(
     x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
     weights: MoeWeights,
     topk_ids: torch.Tensor,  # [M, T] int32/int64
@@ -243,3 +248,30 @@ def run(
         _w2_kernel, rows.max_blocks, h, meta, x.device, **args2, **shared, EVEN_K=n_inter % config.block_k == 0
     )
 
+
+class GptqOrder(KernelFamily):
+    """gptq-order stacks of any bits and group size, aligned row blocks only."""
+
+    family = Family.GPTQ_ORDER
+    topk_sum = TopkSum.BY_REDUCE
+    runs_tl_tiles = True
+
+    def supports(self, call: Call) -> bool:
+        return not call.weights.mma_order
+
+    def configure(self, config: KernelConfig, call: Call) -> KernelConfig | None:
+        """Any tl tile (one block per pair, ``direct``, becomes aligned blocks of ``block_m`` rows)."""
+        return replace(config, family=Family.GPTQ_ORDER, direct=False, gluon=None) if self.supports(call) else None
+
+    def heuristic(self, call: Call) -> KernelConfig | None:
+        if not self.supports(call):
+            return None
+        return KernelConfig(Family.GPTQ_ORDER, **heuristic_tile(call.num_pairs, call.weights.num_experts))
+
+    def run(self, work: Work, config: KernelConfig) -> None:
+        x, weights = work.x, work.weights
+        inter = torch.empty(work.topk_ids.numel(), weights.intermediate_size, dtype=x.dtype, device=x.device)
+        launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config)
+
+
+FAMILY = GptqOrder()
