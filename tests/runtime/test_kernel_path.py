@@ -5,16 +5,18 @@ spelling before FAMILY still read as it ran)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from repack.formats.errors import RepackError
-from repack.formats.stacks import GPTQ_ORDER
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER
 from repack.runtime.fused_moe import FAMILIES, choose_family, heuristic_configs, kernel_path
 from repack.runtime.kernel_config import CONFIG_DIR, Family, GluonTile, KernelConfig
 from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.gluon_sm90 import GLUON_ENV, PORTABLE_ENV
+from repack.runtime.weights import MoeWeights
 from tests.support.stacks import zero_stack
 
 TILE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
@@ -176,3 +178,34 @@ def test_the_heuristic_asks_no_gluon_tile_and_the_tables_name_their_families():
 def test_heuristic_tiles_are_shipped():
     for pairs in (8, 64, 512, 4096, 65536):
         assert gluon_sm90.heuristic_tile(pairs, 64) in gluon_sm90.SHIPPED_TILES
+
+
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 48, 64, 200, 256, 1024, 4096])
+def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm90, m):
+    """Qwen1.5-MoE's table (E=60, I=1408, top-4) on an H200 with the Gluon kernels: decode entries run decode; the
+    tensor-core entries run the Gluon heuristic's tile and sum in fp16 (and in bf16 past 48 rows per expert) and
+    their own weight-major tile otherwise, as they did when those entries said WEIGHT_MAJOR."""
+    from repack.runtime import fused_moe
+    from repack.runtime.kernel_config import load_configs
+
+    monkeypatch.setattr(fused_moe, "device_name", lambda device: "NVIDIA_H200")
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    stack = MoeWeights(meta(60, 2816, 256), meta(60, 16, 2816), meta(60, 2048, 176), meta(60, 11, 2048), bits=4,
+                       group_size=128, word_order=MMA128_ORDER)  # fmt: skip
+    table = load_configs(60, 1408, "NVIDIA_H200")
+    entry = table[min(table, key=lambda k: abs(k - m))]
+    for dtype in (FP16, BF16):
+        x = torch.empty(m, 2048, dtype=dtype, device="meta")
+        plan = fused_moe._plan(x, stack, 4, None, x)
+        if entry.family is Family.DECODE:
+            assert plan.family.family is Family.DECODE and plan.config == entry and plan.block_m is None
+        elif dtype == FP16 or m * 4 / 60 > 48:
+            assert plan.family.family is Family.GLUON_SM90 and plan.config.gluon == gluon_sm90.heuristic_tile(m * 4, 60)
+            assert (
+                plan.config.reduce == gluon_sm90.heuristic_reduce(dtype) and plan.block_m == plan.config.gluon.block_m
+            )
+        else:
+            assert plan.family.family is Family.WEIGHT_MAJOR and plan.config == replace(
+                entry, family=Family.WEIGHT_MAJOR
+            )
+            assert plan.block_m == entry.block_m
