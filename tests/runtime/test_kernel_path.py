@@ -4,6 +4,7 @@ spelling before FAMILY still read as it ran)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import replace
 
@@ -185,9 +186,9 @@ def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm9
     """Qwen1.5-MoE's table (E=60, I=1408, top-4) on an H200 with the Gluon kernels: decode entries run decode; the
     tensor-core entries run the Gluon heuristic's tile and sum in fp16 (and in bf16 past 48 rows per expert) and
     their own weight-major tile otherwise, as they did when those entries said WEIGHT_MAJOR."""
-    from repack.runtime import fused_moe
     from repack.runtime.kernel_config import load_configs
 
+    fused_moe = importlib.import_module("repack.runtime.fused_moe")  # the module (the package exports its function)
     monkeypatch.setattr(fused_moe, "device_name", lambda device: "NVIDIA_H200")
     meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
     stack = MoeWeights(meta(60, 2816, 256), meta(60, 16, 2816), meta(60, 2048, 176), meta(60, 11, 2048), bits=4,
