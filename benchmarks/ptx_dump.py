@@ -6,7 +6,8 @@ test_glue_compile_sm90.py with ``triton.compile`` recorded, and writes one entry
 its test, its place in that test's sequence, the kernel's entry name and its PTX with the debug and line-number
 directives removed (they follow the source lines, not the code). ``python -m benchmarks.ptx_dump --diff A.json
 B.json`` compares two dumps entry by entry. Run it on the tree before a change and on the tree after, then diff.
-Needs no GPU (Triton's nvidia backend compiles for ``GPUTarget("cuda", 90, 32)`` on the CPU); takes minutes.
+Needs no GPU (Triton's nvidia backend compiles for ``GPUTarget("cuda", 90, 32)`` on the CPU); takes minutes, seconds
+where Triton's cache already holds the kernels.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ def entry_name(ptx: str) -> str:
 
 
 def _import_tree(root: Path) -> None:
-    """Make ``repack``, ``tests`` and ``benchmarks`` resolve inside ``root`` (not an editable install elsewhere)."""
+    """Make ``repack``, ``tests`` and ``benchmarks`` resolve inside ``root``, not in the installed package (whose
+    ``moe_repack.pth`` may have imported ``repack.runtime`` already, from another tree)."""
     sys.meta_path[:] = [f for f in sys.meta_path if "Editable" not in getattr(f, "__name__", type(f).__name__)]
+    for name in [n for n in sys.modules if n.split(".")[0] in ("repack", "tests", "benchmarks")]:
+        del sys.modules[name]
     sys.path.insert(0, str(root))
     for name, folder in PACKAGES.items():
         spec = importlib.util.spec_from_file_location(
@@ -88,7 +92,8 @@ def _child(root: Path, out: Path) -> None:
     for name in TESTS:
         current["test"] = name
         test = importlib.import_module(f"tests.runtime.{name}")
-        assert Path(test.__file__).resolve().is_relative_to(root.resolve()), test.__file__
+        for module in (test, importlib.import_module("repack.runtime.fused_moe")):
+            assert Path(module.__file__).resolve().is_relative_to(root.resolve()), module.__file__
         with contextlib.redirect_stdout(io.StringIO()):
             if name == "test_gluon_compile_sm90":
                 _gluon_builds(test)
@@ -99,8 +104,9 @@ def _child(root: Path, out: Path) -> None:
 
 
 def dump(root: str, out: str) -> None:
-    """Run the workers in a fresh process without TRITON_INTERPRET (the compiler must not see it)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    """Run the workers in a fresh process with TRITON_INTERPRET=0: compiled, never interpreted (an explicit 0 also
+    keeps repack.runtime from switching the interpreter on where torch sees no GPU)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
     paths = [str(Path(p).resolve()) for p in (root, out)]
     subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *paths], env=env, check=True)
 
