@@ -315,6 +315,15 @@ def load_configs(num_experts: int, intermediate_size: int, name: str) -> dict[in
     return table
 
 
+def get_config(weights, num_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The config a call without one takes: :func:`repack.runtime.fused_moe.get_config`, which asks the families'
+    heuristics where no table is tuned. Also answered here, where it lived before the families described themselves,
+    for callers of that name (../shared/bench-marlin/bench_anchor.py)."""
+    from repack.runtime.fused_moe import get_config as families_config  # fused_moe imports this module
+
+    return families_config(weights, num_tokens, top_k, dtype, device)
+
+
 # On the CPU the kernels run in Triton's interpreter, one program after another: the cost is the number of
 # programs, not bytes, so every M takes the sorted path with wide tiles (the decode path's one program per
 # token-expert pair and BLOCK_N tile is the slowest choice there). Tests pass explicit configs for the rest.

@@ -186,6 +186,7 @@ def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm9
     """Qwen1.5-MoE's table (E=60, I=1408, top-4) on an H200 with the Gluon kernels: decode entries run decode; the
     tensor-core entries run the Gluon heuristic's tile and sum in fp16 (and in bf16 past 48 rows per expert) and
     their own weight-major tile otherwise, as they did when those entries said WEIGHT_MAJOR."""
+    from repack.runtime import kernel_config
     from repack.runtime.kernel_config import load_configs
 
     fused_moe = importlib.import_module("repack.runtime.fused_moe")  # the module (the package exports its function)
@@ -198,6 +199,7 @@ def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm9
     for dtype in (FP16, BF16):
         x = torch.empty(m, 2048, dtype=dtype, device="meta")
         plan = fused_moe._plan(x, stack, 4, None, x)
+        assert kernel_config.get_config(stack, m, 4, dtype, x.device) == entry  # the old name answers too
         if entry.family is Family.DECODE:
             assert plan.family.family is Family.DECODE and plan.config == entry and plan.block_m is None
         elif dtype == FP16 or m * 4 / 60 > 48:
