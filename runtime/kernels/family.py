@@ -51,10 +51,6 @@ class Call:
     dtype: torch.dtype  # the activations'
     num_pairs: int  # (token, expert) pairs: M * top_k
 
-    @property
-    def rows_per_expert(self) -> float:
-        return self.num_pairs / max(1, self.weights.num_experts)
-
 
 @dataclass
 class Work:
