@@ -51,7 +51,7 @@ def times_table(rows: list[dict]) -> list[str]:
         path = config.get("kernel_path", "") if isinstance(config, dict) else ""
         floor = r.get("floor_us")
         lines.append(
-            f"| {label(r)} | {r['M']} | {path.removeprefix('Kernels.')} | {fmt(floor)} | {fmt(ours)} | "
+            f"| {label(r)} | {r['M']} | {path.split('.')[-1]} | {fmt(floor)} | {fmt(ours)} | "
             f"{fmt(marlin)} | {fmt(fp16)} | {fmt(ours and marlin and ours / marlin, '.2f')} | "
             f"{fmt(ours and floor and ours / floor, '.2f')} | {v.get('project', {}).get('rel_err', float('nan')):.1e} |"
         )

@@ -284,7 +284,7 @@ def bench_m(case: Case, dtype, m: int, weights: list[Copy], fp16_weights, bandwi
         case=case.name,
         dtype=str(dtype).removeprefix("torch."),
         M=m,
-        kernels=str(kernel_path(x, weights[0].routed, case.top_k)),
+        kernels=kernel_path(x, weights[0].routed, case.top_k).value,
         ours_us=t_routed,
         **{f"block_{mode}_us": t for mode, t in t_block.items()},
         floor_us=floor,

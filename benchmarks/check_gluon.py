@@ -29,9 +29,10 @@ import torch
 from repack.formats.gptq import GptqScheme, dequantize
 from repack.formats.sources.gptq import canonical_from_gptq
 from repack.formats.stacks import ROUTED, pack_stack, stack_info
-from repack.runtime.fused_moe import GLUON_ENV, PORTABLE_ENV, fused_moe, kernel_path
+from repack.runtime.fused_moe import fused_moe, kernel_path
 from repack.runtime.kernel_config import GluonTile
 from repack.runtime.kernels import gluon_sm90
+from repack.runtime.kernels.gluon_sm90 import GLUON_ENV, PORTABLE_ENV
 from repack.runtime.kernels.routing import route
 from repack.runtime.tune import random_stack, time_graph
 from repack.runtime.weights import MoeWeights

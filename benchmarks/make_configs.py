@@ -5,8 +5,11 @@
 all files wins. Each file is one device run: where a later file timed a code path (decode, weight-major, ...) at
 some (case, M), the earlier files' timings of that path there are dropped, since the code they timed may have
 changed since; a path a later run did not time keeps its earlier timings. Writes one ``E=..,N=..,device_name=...json``
-per case (runtime/kernel_config.py's format). After a new sweep that changes a shipped table, add it to
-benchmarks/tables.json.
+per case (runtime/kernel_config.py's format): each winner as ``KernelConfig.to_dict`` writes it, its ``FAMILY``
+named. A sweep row in the spelling before ``FAMILY`` reads as it ran (kernel_config.legacy_family): the shipped
+weight-major rows, timed before the Gluon kernels existed, are ``gluon_sm90`` entries without a tile of their own
+(the Gluon heuristic's where it measured faster, their weight-major tile elsewhere), the decode rows ``decode``.
+After a new sweep that changes a shipped table, add it to benchmarks/tables.json.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.bench_moe import CASES
-from repack.runtime.kernel_config import KernelConfig, Kernels
+from repack.runtime.kernel_config import Family, KernelConfig
 
 TABLES = Path(__file__).parent / "tables.json"
 REPO = Path(__file__).parent.parent
@@ -29,15 +32,16 @@ def recorded_sweeps() -> tuple[str, list[Path]]:
 
 
 def code_path(config: dict) -> str:
-    """Which kernels a config runs: the CUDA-core decode kernels, the weight-major ones (one block per pair, or
-    aligned), the gptq-order tensor-core ones (runtime/kernel_config.py's ``Kernels``), or, with a Gluon tile, the
-    Gluon sm_90 ones."""
+    """Which kernels a sweep row timed: the CUDA-core decode kernels, the weight-major ones (one block per pair, or
+    aligned), the gptq-order tensor-core ones, or, with a tile of theirs, the Gluon sm_90 ones. A ``gluon_sm90``
+    entry without a tile is what the recorded sweeps' weight-major rows read as: timed on the weight-major kernels,
+    before the Gluon ones existed."""
     parsed = KernelConfig.from_dict(config)
     if parsed.gluon is not None:
         return "gluon"
-    if parsed.kernels is Kernels.WEIGHT_MAJOR:
+    if parsed.family in (Family.WEIGHT_MAJOR, Family.GLUON_SM90):
         return "weight-major direct" if parsed.direct else "weight-major"
-    return "decode" if parsed.kernels is Kernels.DECODE else "tensor-core"
+    return "decode" if parsed.family is Family.DECODE else "tensor-core"
 
 
 def best_configs(paths: list[Path]) -> dict[str, dict[int, dict]]:
@@ -68,7 +72,7 @@ def table_files(sweeps: list[Path], device: str) -> dict[str, str]:
     files = {}
     for case, table in best_configs(sweeps).items():
         experts, inter = shapes[case]
-        entries = {str(m): table[m] for m in sorted(table)}
+        entries = {str(m): KernelConfig.from_dict(table[m]).to_dict() for m in sorted(table)}
         files[config_file_name(experts, inter, device)] = json.dumps(entries, indent=1)
     return {name: text + "\n" for name, text in files.items()}
 

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from repack.runtime.fused_moe import fused_moe
-from repack.runtime.kernel_config import get_config
+from repack.runtime.fused_moe import fused_moe, get_config
 from repack.runtime.tune import DECODE_CONFIGS, random_stack, time_graph
 
 CASES = {  # name: (experts, hidden, intermediate, top_k)

@@ -64,16 +64,16 @@ def make_copies(case: Case, copies: int) -> list:
 
 def variant_config(variant: str, stack, m: int, case: Case, dtype, device: str = "cuda"):
     """The config a variant passes: None (the runtime's own choice) or its top-k sum over the heuristic tile."""
-    from repack.runtime.fused_moe import kernel_path
-    from repack.runtime.kernel_config import Kernels, get_config
+    from repack.runtime.fused_moe import get_config, kernel_path
+    from repack.runtime.kernel_config import Family
     from repack.runtime.kernels import gluon_sm90
 
     if variant not in REDUCE:
         return None
     x = torch.empty(m, case.hidden, dtype=dtype, device=device)
     cfg = get_config(stack, m, case.top_k, dtype, torch.device(device))
-    if kernel_path(x, stack, case.top_k, cfg) is Kernels.GLUON_SM90 and cfg.gluon is None:
-        cfg = replace(cfg, gluon=gluon_sm90.heuristic(m * case.top_k, case.experts))
+    if kernel_path(x, stack, case.top_k, cfg) is Family.GLUON_SM90 and cfg.gluon is None:
+        cfg = replace(cfg, gluon=gluon_sm90.heuristic_tile(m * case.top_k, case.experts))
     return replace(cfg, reduce=REDUCE[variant])
 
 

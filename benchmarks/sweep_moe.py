@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_moe import CASES, check_case, log, random_stack, rotation, time_graph
-from repack.runtime.kernel_config import Kernels, device_name, load_configs
+from repack.runtime.kernel_config import Family, device_name, load_configs
 from repack.runtime.tune import DECODE_CONFIGS, TENSOR_CORE_CONFIGS, WEIGHT_MAJOR_CONFIGS, candidate_configs
 
 # One search space for the sweep and for `repack tune` (runtime/tune.py).
@@ -71,7 +71,7 @@ def main() -> None:
             if args.only_weight_major or args.only_shipped:
                 shipped = load_configs(case.experts, case.inter, device_name("cuda")) or {}
                 nearest = [shipped[min(shipped, key=lambda k: abs(k - m))]] if shipped else []
-                weight_major = [] if args.only_shipped else [c for c in candidates if c.kernels is Kernels.WEIGHT_MAJOR]
+                weight_major = [] if args.only_shipped else [c for c in candidates if c.family is Family.WEIGHT_MAJOR]
                 candidates = nearest + weight_major
             for c in candidates:
 

@@ -1,94 +1,132 @@
 """The fused W4A16 MoE: check the inputs, choose a kernel family, align the pairs, run it, sum the top-k.
 
 ``fused_moe`` computes ``sum_k w[m,k] * W2[e] @ (silu(W1[e] x) * (W3[e] x))`` with ``e = topk_ids[m,k]``, from
-the repack-moe layout as stored (formats/SPEC.md). The families live in runtime/kernels/, one module each, and
-export one ``run``:
+the repack-moe layout as stored (formats/SPEC.md). The kernel families live in runtime/kernels/, one module each,
+and each describes itself (runtime/kernels/family.py: what it supports, the config it takes a call with, its
+heuristic, its launches, which top-k sum it does). :data:`FAMILIES` is the ordered list this module walks:
 
-- ``decode`` (runtime/kernels/decode.py): CUDA cores, one program per (token, expert) pair; any word order.
-  It writes ``out`` itself (its w2 sums the top-k).
-- ``weight_major`` (runtime/kernels/weight_major.py): tensor cores with the weights as the MMA's register
-  operand; the tuned default past decode, and the only tensor-core family that reads mma128 words.
-- ``gptq_order`` (runtime/kernels/gptq_order.py): the older tensor-core kernels, for the gptq-order stacks the
-  weight-major kernels cannot run (groups under 128, K not a multiple of 128, 8-bit).
-- ``gluon_sm90`` (runtime/kernels/gluon_sm90.py): the weight-major GEMMs in Gluon for Hopper, a wgmma kept in
-  flight while the next chunk dequantizes; on sm_90 by default where they measured faster
-  (:func:`gluon_sm90.preferred`) or where asked for (a config's ``GLUON`` tile, $REPACK_GLUON_KERNELS=1), unless
-  the config is ``PORTABLE`` or $REPACK_PORTABLE_KERNELS=1.
+- ``decode`` (kernels/decode.py): CUDA cores, one program per (token, expert) pair, any stack; sums the top-k in w2;
+- ``gluon_sm90`` (kernels/gluon_sm90.py): the weight-major GEMMs in Gluon for Hopper, a wgmma kept in flight while
+  the next chunk dequantizes; mma128 stacks on a compute capability 9.0 GPU;
+- ``weight_major`` (kernels/weight_major.py): tensor cores with the weights as the MMA's register operand, the
+  stacks whose sizes and groups allow mma128 words (either word order); the only tl family that reads mma128;
+- ``gptq_order`` (kernels/gptq_order.py): the older tensor-core kernels, for gptq-order stacks of any bits and
+  groups.
 
-The config (runtime/kernel_config.py) names the family; :func:`choose_kernels` turns that into the family that
-can run the stack (:func:`kernel_path`: which one a call takes). The tensor-core families write one row per
-(token, k) pair, summed by kernels/topk_sum.py (or fp32 atomics into [M, H] with ``reduce="atomic"``). Nothing
-here synchronises with the host, so the whole call can be captured in a CUDA graph. Dimension letters:
-runtime/kernels/__init__.py.
+A call runs the config's family (the tuned table's or, without a table, the first family whose heuristic claims
+the call: :func:`get_config`) where that family takes it, else the first family of the list that runs other
+families' tl tiles and can (:func:`choose_family`; :func:`kernel_path` says which one a call takes).
+$REPACK_GLUON_KERNELS=1 asks for the Gluon kernels on every aligned tensor-core call they can run, with their
+heuristic's tile; $REPACK_PORTABLE_KERNELS=1 never runs them (kernels/gluon_sm90.py ``GLUON_ENV``, ``PORTABLE_ENV``).
+Families with row blocks get the pairs sorted by expert first (kernels/align.py); those that leave the top-k sum to
+the config's ``reduce`` write per-pair rows summed by kernels/topk_sum.py, fp32 atomics into [M, H], or adds
+straight into the output. Nothing here synchronises with the host, so the whole call can be captured in a CUDA
+graph. Dimension letters: runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
 from repack.formats.errors import RepackError
-from repack.runtime.kernel_config import KernelConfig, Kernels, as_kernel_config, get_config
+from repack.runtime.kernel_config import (
+    INTERPRETER_CONFIG,
+    Family,
+    KernelConfig,
+    as_kernel_config,
+    device_name,
+    load_configs,
+)
 from repack.runtime.kernels import decode, gluon_sm90, gptq_order, weight_major
-from repack.runtime.kernels.act_order import gather_act_order
 from repack.runtime.kernels.align import align_pairs, route_and_align
-from repack.runtime.kernels.backend import gluon_sm90_runs
 from repack.runtime.kernels.common import TL_DTYPES
+from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.kernels.routing import route, route_outputs
 from repack.runtime.kernels.topk_sum import topk_sum
 from repack.runtime.weights import MoeWeights
 
-# bf16 activations on the weight-major kernels (past decode). True (default): each fp16 scale is rounded to bf16
-# inside the dequantized weight, as serving stacks that cast GPTQ scales to the model dtype do; bf16 then runs as
-# fast as fp16. False: the scale is applied exactly, in fp32 once per K step, at the cost of a second accumulator
-# and half-width tiles. Speed and error of both: benchmarks/KERNEL_NOTES.md item 13. The decode kernels apply
-# scales in fp32 either way.
-BF16_SCALES_IN_WEIGHTS = True
-
-PORTABLE_ENV = "REPACK_PORTABLE_KERNELS"  # "1": never the Gluon sm_90 kernels (the tl kernels everywhere)
-GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": the Gluon sm_90 kernels wherever they can run, tile from their heuristic
+# The families, in the order a call asks them (its config's family first: choose_family): the CUDA-core decode
+# kernels, the Gluon sm_90 ones, then the tl tensor-core ones that run any config's tile where its own family cannot.
+FAMILIES: tuple[KernelFamily, ...] = (decode.FAMILY, gluon_sm90.FAMILY, weight_major.FAMILY, gptq_order.FAMILY)
 
 
-def supports_weight_major(weights: MoeWeights) -> bool:
-    return weight_major.supports(weights.bits, weights.hidden_size, weights.intermediate_size, weights.group_size)
-
-
-def choose_kernels(
+def choose_family(
     weights: MoeWeights, config: KernelConfig, device: torch.device, dtype: torch.dtype, num_pairs: int
-) -> Kernels:
-    """The family that runs on ``device``: the config's, except that the Gluon sm_90 kernels run on an aligned
-    tensor-core config where they can (an mma128 stack, a Hopper GPU: kernels/backend.py) and either are faster
-    there (:func:`gluon_sm90.preferred`, unless the config is ``portable``: a tl config that won a tuning here) or
-    are asked for (a ``gluon`` tile, or $GLUON_ENV, which overrides ``portable``), unless $PORTABLE_ENV; mma128
-    words are otherwise read only by the decode and weight-major kernels, and a stack the weight-major kernels
-    cannot run takes the gptq-order kernels."""
-    if config.kernels is Kernels.DECODE:
-        return Kernels.DECODE
-    gluon_allowed = not config.direct and os.environ.get(PORTABLE_ENV, "") != "1"
-    if gluon_allowed and gluon_sm90.supports(weights) and gluon_sm90_runs(device):
-        asked = config.gluon is not None or os.environ.get(GLUON_ENV, "") == "1"
-        if asked or (not config.portable and gluon_sm90.preferred(weights, dtype, num_pairs)):
-            return Kernels.GLUON_SM90
-    if weights.mma_order or (config.kernels is Kernels.WEIGHT_MAJOR and supports_weight_major(weights)):
-        return Kernels.WEIGHT_MAJOR
-    return Kernels.GPTQ_ORDER
+) -> tuple[KernelFamily, KernelConfig]:
+    """(the family that runs the call, the config it runs it with): the first family of :data:`FAMILIES` the
+    config asks for (its own; the Gluon one too under $REPACK_GLUON_KERNELS=1) that takes the call, else the first
+    that runs other families' tl tiles and can."""
+    call = Call(weights, torch.device(device), dtype, num_pairs)
+    asked = [family for family in FAMILIES if family.asked_by(config)]
+    fallbacks = [family for family in FAMILIES if family.runs_tl_tiles and family not in asked]
+    for family in asked + fallbacks:
+        planned = family.configure(config, call)
+        if planned is not None:
+            return family, planned
+    raise RepackError(f"fused_moe: no kernel family runs this stack ({weights.bits}-bit, {weights.word_order} words)")
+
+
+def heuristic_config(call: Call) -> KernelConfig:
+    """The config of the first family of :data:`FAMILIES` whose heuristic claims ``call`` (one nobody tuned)."""
+    for family in FAMILIES:
+        config = family.heuristic(call)
+        if config is not None:
+            return config
+    raise RepackError(f"fused_moe: no kernel family runs this stack ({call.weights.bits}-bit)")
+
+
+HEURISTIC_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def heuristic_configs() -> list[KernelConfig]:
+    """Every distinct tl config the heuristics return, for the sm_90 compile test (the Gluon heuristic's tiles are
+    gluon_sm90.SHIPPED_TILES; the gptq-order heuristic is the weight-major tile)."""
+    seen: dict[KernelConfig, None] = {}
+    for m in HEURISTIC_TOKEN_COUNTS:
+        for top_k, experts in ((8, 64), (4, 60), (1, 8), (2, 160)):
+            stack = _shape_only_stack(experts)
+            call = Call(stack, torch.device("meta"), torch.float16, m * top_k)
+            seen[decode.FAMILY.heuristic(call) or weight_major.FAMILY.heuristic(call)] = None
+    return list(seen)
+
+
+def _shape_only_stack(experts: int) -> MoeWeights:
+    """A 4-bit g128 stack of ``experts`` experts without storage: what the heuristics read is the expert count."""
+    meta = lambda *shape: torch.empty(shape, dtype=torch.int32, device="meta")  # noqa: E731
+    return MoeWeights(meta(experts, 256, 16), meta(experts, 1, 256), meta(experts, 128, 16), meta(experts, 1, 128),
+                      bits=4, group_size=128)  # fmt: skip
+
+
+def get_config(weights: MoeWeights, num_tokens: int, top_k: int, dtype: torch.dtype, device) -> KernelConfig:
+    """The tuned table's entry of the nearest M for this device and shape, else (no table) the interpreter's config
+    on the CPU and :func:`heuristic_config` elsewhere.
+
+    A routed stack joined with its shared chunks (``weights.routed_experts`` set) uses the routed stack's table:
+    tables are tuned per routed shape. Its ``top_k`` counts the shared chunks too, so a token brings more pairs than
+    the table's entries were tuned for; the choice between one-program-per-pair (``direct``) and aligned entries is
+    then made by decode.direct_mode on the joined pairs, and the nearest M among the entries of that kind is used.
+    """
+    device = torch.device(device)
+    table = load_configs(weights.config_experts, weights.intermediate_size, device_name(device))
+    if not table:
+        if device.type == "cpu":
+            return INTERPRETER_CONFIG
+        return heuristic_config(Call(weights, device, dtype, num_tokens * top_k))
+    if weights.config_experts != weights.num_experts:
+        direct = decode.direct_mode(num_tokens * top_k, weights.num_experts)
+        table = {m: cfg for m, cfg in table.items() if cfg.direct == direct} or table
+    nearest = min(table, key=lambda m: abs(m - num_tokens))
+    return table[nearest]
 
 
 def kernel_path(
     hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config: KernelConfig | Mapping | None = None
-) -> Kernels:
+) -> Family:
     """The family ``fused_moe(hidden_states, weights, <[M, top_k] ids>, ..., config=config)`` runs."""
-    cfg = _config(config, weights, hidden_states, top_k)
-    num_pairs = hidden_states.shape[0] * top_k
-    return choose_kernels(weights, cfg, hidden_states.device, hidden_states.dtype, num_pairs)
-
-
-def _config(config: KernelConfig | Mapping | None, weights: MoeWeights, x: torch.Tensor, top_k: int) -> KernelConfig:
-    """The caller's config parsed, else the tuned/heuristic one for this call."""
-    return as_kernel_config(config) if config is not None else get_config(weights, x.shape[0], top_k, x.dtype, x.device)
+    return _plan(hidden_states, weights, top_k, config, hidden_states).family.family
 
 
 def _check_inputs(hidden_states: torch.Tensor, weights: MoeWeights, topk_ids: torch.Tensor, topk_weights) -> None:
@@ -114,7 +152,9 @@ def _check_inputs(hidden_states: torch.Tensor, weights: MoeWeights, topk_ids: to
     for name, k in (("hidden", weights.hidden_size), ("intermediate", weights.intermediate_size)):
         if group != -1 and k % group:
             raise RepackError(f"fused_moe: {name} size {k} is not a multiple of group size {group}")
-    if weights.mma_order and not supports_weight_major(weights):
+    if weights.mma_order and not weight_major.supports(
+        weights.bits, weights.hidden_size, weights.intermediate_size, weights.group_size
+    ):
         raise RepackError(
             "fused_moe: an mma128 stack needs 4-bit weights, hidden and intermediate sizes and the group size "
             "in multiples of 128; re-convert the checkpoint with this repack"
@@ -140,18 +180,18 @@ def fused_moe(
 
     ``topk_ids`` [M, T] (int32 or int64, values in [0, E)), ``topk_weights`` [M, T] (any float dtype).
     ``config`` overrides the tuned/heuristic kernel config: a :class:`KernelConfig`, or a dict in the tables'
-    spelling (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, and optionally DIRECT, WEIGHT_MAJOR,
-    SCALE_ACC, SPLIT_K, QUANT_AHEAD, PORTABLE, GLUON, REDUCE, PREFETCH, NIBBLE_DOTS: runtime/kernel_config.py).
-    ``out`` receives the result.
+    spelling (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FAMILY, and the family's DIRECT, SCALE_ACC,
+    SPLIT_K, QUANT_AHEAD, REDUCE, PREFETCH, GLUON: runtime/kernel_config.py). ``out`` receives the result.
     """
     _check_inputs(hidden_states, weights, topk_ids, topk_weights)
     out = _output(hidden_states, out)
     if hidden_states.shape[0] == 0:
         return out
-    call = _plan(hidden_states, weights, topk_ids.shape[1], config, out)
+    plan = _plan(hidden_states, weights, topk_ids.shape[1], config, out)
     ids = topk_ids.contiguous()
-    rows = align_pairs(ids, weights.num_experts, call.block_m) if call.aligned else None
-    return _run(call, hidden_states, weights, ids, topk_weights.to(torch.float32).contiguous(), rows, out)
+    rows = align_pairs(ids, weights.num_experts, plan.block_m) if plan.block_m is not None else None
+    work = Work(hidden_states, weights, ids, topk_weights.to(torch.float32).contiguous(), out, rows)
+    return _run(plan, work)
 
 
 def routed_moe(
@@ -178,46 +218,51 @@ def routed_moe(
     out = _output(hidden_states, out)
     if m == 0:
         return out
-    call = _plan(hidden_states, weights, top_k, config, out)
+    plan = _plan(hidden_states, weights, top_k, config, out)
     rows = routing = None
-    if call.aligned:
-        route_w, ids, rows = route_and_align(router_logits, top_k, renormalize, call.block_m)
-    elif call.kernels is Kernels.DECODE and weights.w13_perm is None:
-        logits, route_w, ids = route_outputs(router_logits, top_k)  # filled by the decode's first launch
+    stage = routing_stage(plan, weights)
+    if stage == "alignment":
+        route_w, ids, rows = route_and_align(router_logits, top_k, renormalize, plan.block_m)
+    elif stage == "first launch":
+        logits, route_w, ids = route_outputs(router_logits, top_k)  # filled by the family's first launch
         routing = (logits, renormalize)
     else:
         route_w, ids = route(router_logits, top_k, renormalize)
     _check_inputs(hidden_states, weights, ids, route_w)
-    return _run(call, hidden_states, weights, ids, route_w, rows, out, routing)
+    return _run(plan, Work(hidden_states, weights, ids, route_w, out, rows, routing=routing))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one call runs: the family, the config it runs with (its tile and top-k sum filled in), and the rows of
+    its per-expert blocks (None: one program per pair, no alignment)."""
+
+    family: KernelFamily
+    config: KernelConfig
+    block_m: int | None
+
+
+def routing_stage(plan: Plan, weights: MoeWeights) -> str:
+    """Where routed_moe routes: inside the alignment ("alignment": kernels/align.py decides how far), inside the
+    family's first launch ("first launch"), or in a launch of its own ("routing")."""
+    if plan.block_m is not None:
+        return "alignment"
+    return "first launch" if plan.family.routes_in_first_launch(weights) else "routing"
 
 
 def _output(hidden_states: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if out is None else out
 
 
-@dataclass(frozen=True)
-class _Call:
-    """What one call runs: the config (its Gluon tile and top-k sum filled in), the family, the row block of its
-    alignment."""
-
-    config: KernelConfig
-    kernels: Kernels
-    block_m: int
-    aligned: bool  # the family works on per-expert row blocks (kernels/align.py), not one pair per program
-
-
-def _plan(hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config, out: torch.Tensor) -> _Call:
-    num_pairs = hidden_states.shape[0] * top_k
-    dtype = hidden_states.dtype
-    cfg = _config(config, weights, hidden_states, top_k).fit_group(weights.group_size)
-    kernels = choose_kernels(weights, cfg, hidden_states.device, dtype, num_pairs)
-    if kernels is Kernels.GLUON_SM90 and cfg.gluon is None:  # no tuned Gluon tile: the heuristic's tile and sum
-        tile = gluon_sm90.heuristic(num_pairs, weights.num_experts)
-        cfg = replace(cfg, gluon=tile, reduce=gluon_sm90.heuristic_reduce(dtype))
-    cfg = replace(cfg, reduce=_reduce(cfg.reduce, dtype, top_k, out))
-    block_m = cfg.gluon.block_m if kernels is Kernels.GLUON_SM90 else cfg.block_m
-    direct = kernels is Kernels.DECODE or (kernels is Kernels.WEIGHT_MAJOR and cfg.direct)
-    return _Call(cfg, kernels, block_m, aligned=not direct)
+def _plan(hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config, out: torch.Tensor) -> Plan:
+    """The config (the caller's, parsed, else :func:`get_config`'s), its family and its top-k sum for this call."""
+    m, dtype, device = hidden_states.shape[0], hidden_states.dtype, hidden_states.device
+    if config is None:
+        config = get_config(weights, m, top_k, dtype, device)
+    config = as_kernel_config(config).fit_group(weights.group_size)
+    family, config = choose_family(weights, config, device, dtype, m * top_k)
+    config = replace(config, reduce=_reduce(config.reduce, dtype, top_k, out))
+    return Plan(family, config, family.block_rows(config))
 
 
 def _reduce(asked: str, dtype: torch.dtype, top_k: int, out: torch.Tensor) -> str:
@@ -231,40 +276,35 @@ def _reduce(asked: str, dtype: torch.dtype, top_k: int, out: torch.Tensor) -> st
     return asked
 
 
-def _run(call: _Call, hidden_states, weights: MoeWeights, ids, route_w, rows, out: torch.Tensor,
-         routing: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:  # fmt: skip
-    """The family's launches, then the top-k sum (the decode family sums in its w2; with ``routing`` it also
-    routes, into ``ids`` and ``route_w``)."""
-    m, h = hidden_states.shape
-    top_k, dtype, device, cfg = ids.shape[1], hidden_states.dtype, hidden_states.device, call.config
-    x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
-    if call.kernels is Kernels.DECODE:
-        decode.run(x, weights, ids, route_w, out, cfg, routing)
+def _run(plan: Plan, work: Work) -> torch.Tensor:
+    """The family's launches between the top-k sum's set-up and its end (a family that sums in w2 does both)."""
+    if work.x.stride(1) != 1:
+        work.x = work.x.contiguous()
+    if plan.family.topk_sum is TopkSum.BY_REDUCE:
+        work.target = _sum_target(plan, work)
+    plan.family.run(work, plan.config)
+    if plan.family.topk_sum is TopkSum.BY_REDUCE:
+        _sum_topk(plan.config.reduce, work)
+    return work.out
+
+
+def _sum_target(plan: Plan, work: Work) -> torch.Tensor:
+    """Where w2 writes for ``config.reduce``: fp32 [M, H] ("atomic"), the output ("out"), zeroed here unless the
+    family's w13 clears it; the output itself at top-1; else one row per pair [P, H]."""
+    (m, h), top_k, out, device = work.x.shape, work.topk_ids.shape[1], work.out, work.x.device
+    cleared = plan.family.clears_target
+    if plan.config.reduce == "atomic":
+        return (torch.empty if cleared else torch.zeros)(m, h, dtype=torch.float32, device=device)
+    if plan.config.reduce == "out":
+        return out if cleared else out.zero_()
+    if top_k == 1 and out.is_contiguous():
         return out
-    num_pairs = m * top_k
-    inter = torch.empty(num_pairs, weights.intermediate_size, dtype=dtype, device=device)  # [P, I]
-    gluon = call.kernels is Kernels.GLUON_SM90  # its w13 clears an atomic target itself (kernels/gluon_sm90.py)
-    if cfg.reduce == "atomic":
-        target = (torch.empty if gluon else torch.zeros)(m, h, dtype=torch.float32, device=device)  # [M, H] fp32
-    elif cfg.reduce == "out":
-        target = out if gluon else out.zero_()
-    elif top_k == 1 and out.is_contiguous():
-        target = out
-    else:
-        target = torch.empty(num_pairs, h, dtype=dtype, device=device)  # [P, H] one row per pair
-    if gluon and weights.w13_perm is not None and gluon_sm90.ACT_ORDER_GATHER:  # act-order: rows gathered once
-        xg = gather_act_order(x, ids, weights.w13_perm)
-        plain = replace(weights, w13_perm=None)
-        gluon_sm90.run(xg, plain, ids, route_w, rows, inter, target, cfg, x_per_pair=True)
-    elif gluon:
-        gluon_sm90.run(x, weights, ids, route_w, rows, inter, target, cfg)
-    elif call.kernels is Kernels.WEIGHT_MAJOR:
-        exact_bf16 = not BF16_SCALES_IN_WEIGHTS
-        weight_major.run(x, weights, ids, route_w, rows, inter, target, cfg, exact_bf16_scales=exact_bf16)
-    else:
-        gptq_order.run(x, weights, ids, route_w, rows, inter, target, cfg)
-    if cfg.reduce == "atomic":
-        out.copy_(target)
-    elif target is not out:
-        topk_sum(target, top_k, out)  # [M * T, H] -> [M, H]
-    return out
+    return torch.empty(m * top_k, h, dtype=work.x.dtype, device=device)
+
+
+def _sum_topk(reduce: str, work: Work) -> None:
+    """The finalize step: the fp32 sums cast into the output, or the per-pair rows summed into it."""
+    if reduce == "atomic":
+        work.out.copy_(work.target)
+    elif work.target is not work.out:
+        topk_sum(work.target, work.topk_ids.shape[1], work.out)  # [M * T, H] -> [M, H]

@@ -5,9 +5,10 @@ candidate with CUDA-graph replay on random int4 weights (several copies, so L2 n
 fastest config whose output agrees with the heuristic config's, and writes
 ``E={E},N={I},device_name={GPU}.json`` (runtime/kernel_config.py reads it).
 
-Where the Gluon sm_90 kernels run (a Hopper GPU, an mma128 stack), their tiles are candidates too, and the tl
-tensor-core candidates are marked ``portable``: an aligned config without a Gluon tile would otherwise run the
-Gluon heuristic's tile there (fused_moe.choose_kernels), so a tl winner's entry would not run what was timed.
+Where the Gluon sm_90 kernels run (a Hopper GPU, an mma128 stack), their tiles are candidates too. Every candidate
+names its family (runtime/kernel_config.py ``FAMILY``), so the entry a winner becomes runs the kernels that were
+timed: a weight-major winner stays on the weight-major kernels where the Gluon ones would run, a Gluon winner
+runs its own tile.
 """
 
 from __future__ import annotations
@@ -23,24 +24,17 @@ import torch
 
 from repack.formats.errors import RepackError
 from repack.formats.stacks import choose_word_order
-from repack.runtime.fused_moe import GLUON_ENV, PORTABLE_ENV, fused_moe
-from repack.runtime.kernel_config import (
-    GluonTile,
-    KernelConfig,
-    Kernels,
-    config_file_name,
-    device_name,
-    heuristic_config,
-)
+from repack.runtime.fused_moe import FAMILIES, fused_moe
+from repack.runtime.kernel_config import Family, GluonTile, KernelConfig, config_file_name, device_name
 from repack.runtime.kernels import gluon_sm90
-from repack.runtime.kernels.backend import gluon_sm90_runs
+from repack.runtime.kernels.family import Call
 from repack.runtime.weights import MoeWeights
 
 TUNE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 DECODE_CONFIGS = [  # CUDA-core decode kernels (runtime/kernels/decode.py): tile, warps, prefetch depth, K slices
-    KernelConfig(Kernels.DECODE, 16, bn, 128, 1, warps, 1, direct=True, prefetch=depth, split_k=split)
+    KernelConfig(Family.DECODE, 16, bn, 128, 1, warps, 1, direct=True, prefetch=depth, split_k=split)
     for bn, warps in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
     for depth in (1, 2)
     for split in (1, 2, 4, 8)
@@ -57,9 +51,7 @@ _TILES = (  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     (128, 256, 128, 8, 8, 2),
 )
 TENSOR_CORE_CONFIGS = [  # the gptq-order kernels (runtime/kernels/gptq_order.py)
-    KernelConfig(Kernels.GPTQ_ORDER, bm, bn, bk, g, w, st, nibble_dots=nibble)
-    for bm, bn, bk, g, w, st in _TILES
-    for nibble in ((False, True) if bk == 128 else (False,))
+    KernelConfig(Family.GPTQ_ORDER, bm, bn, bk, g, w, st) for bm, bn, bk, g, w, st in _TILES
 ]
 _WEIGHT_MAJOR_TILES = (  # BLOCK_M (tokens), BLOCK_N (w2 rows; w13 channels), GROUP_M, warps, stages
     (16, 64, 1, 4, 3),
@@ -76,12 +68,12 @@ _WEIGHT_MAJOR_TILES = (  # BLOCK_M (tokens), BLOCK_N (w2 rows; w13 channels), GR
     (128, 128, 8, 8, 3),
 )
 WEIGHT_MAJOR_CONFIGS = [  # BLOCK_K is fixed at 128 by these kernels (runtime/kernels/weight_major.py)
-    KernelConfig(Kernels.WEIGHT_MAJOR, bm, bn, 128, g, w, st, scale_acc=False, quant_ahead=ahead)
+    KernelConfig(Family.WEIGHT_MAJOR, bm, bn, 128, g, w, st, scale_acc=False, quant_ahead=ahead)
     for bm, bn, g, w, st in _WEIGHT_MAJOR_TILES
     for ahead in (False, True)  # scales a K step ahead: faster on some tiles, a layout conversion on others
 ]
 WEIGHT_MAJOR_DIRECT_CONFIGS = [  # decode: one block per (token, expert) pair, no alignment launch
-    KernelConfig(Kernels.WEIGHT_MAJOR, 16, bn, 128, 1, 4, st, direct=True, scale_acc=False)
+    KernelConfig(Family.WEIGHT_MAJOR, 16, bn, 128, 1, 4, st, direct=True, scale_acc=False)
     for bn in (32, 64)
     for st in (3, 5)
 ]
@@ -99,16 +91,17 @@ GLUON_TILES = tuple(
         ]
     )
 )
-GLUON_CONFIGS = [  # each with the weight-major tile of its shape as the tl family, which runs where Gluon cannot
-    KernelConfig(Kernels.WEIGHT_MAJOR, t.block_m, t.block_n, 128, t.group_m, t.warps, 3, scale_acc=False, gluon=t)
+GLUON_CONFIGS = [  # each with the weight-major tile of its shape, which runs where the Gluon kernels cannot
+    KernelConfig(Family.GLUON_SM90, t.block_m, t.block_n, 128, t.group_m, t.warps, 3, scale_acc=False, gluon=t)
     for t in GLUON_TILES
 ]
 
 
 def searches_gluon(weights: MoeWeights, device: torch.device | str) -> bool:
-    """Whether the Gluon tiles are candidates: the Gluon sm_90 kernels run on ``device`` and read the stack, and
-    it is not act-order (its column gather makes them slower there: :func:`gluon_sm90.preferred`)."""
-    return gluon_sm90.supports(weights) and weights.w13_perm is None and gluon_sm90_runs(device)
+    """Whether the Gluon tiles are candidates: the Gluon sm_90 kernels run on ``device`` and read the stack, and it
+    is not act-order (tuned on plain random stacks; an act-order one runs the plain kernels on gathered rows)."""
+    call = Call(weights, torch.device(device), torch.float16, 0)
+    return gluon_sm90.FAMILY.supports(call) and weights.w13_perm is None
 
 
 def candidate_configs(
@@ -119,20 +112,26 @@ def candidate_configs(
 
     Decode (CUDA-core or weight-major, one block per pair) while pairs are few; tensor-core tiles whose
     BLOCK_M is not far above the rows an expert gets (mma128 stacks run only the weight-major kernels), and the
-    Gluon tiles where :func:`searches_gluon` (the tl tiles then ``portable``); both top-k reductions where the sum
-    is cheap enough to matter.
+    Gluon tiles where :func:`searches_gluon`; both top-k reductions where the sum is cheap enough to matter.
     """
     pairs = num_tokens * top_k
     rows_per_expert = pairs / max(1, weights.num_experts)
     configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 128 else []
     tiles = WEIGHT_MAJOR_CONFIGS if weights.mma_order else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
     if searches_gluon(weights, device):
-        tiles = [replace(c, portable=True) for c in tiles] + GLUON_CONFIGS
+        tiles = tiles + GLUON_CONFIGS
     configs += [c for c in tiles if c.block_m <= max(16, 4 * rows_per_expert)]
     reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
     # The CUDA-core decode kernels always sum the top-k in w2: REDUCE does not apply to them.
-    decode = [c for c in configs if c.kernels is Kernels.DECODE]
-    return decode + [replace(c, reduce=r) for c in configs if c.kernels is not Kernels.DECODE for r in reduces]
+    decode = [c for c in configs if c.family is Family.DECODE]
+    return decode + [replace(c, reduce=r) for c in configs if c.family is not Family.DECODE for r in reduces]
+
+
+def tl_reference(weights: MoeWeights, num_pairs: int, dtype: torch.dtype) -> KernelConfig:
+    """The config every candidate's output is checked against: the first tl family's heuristic (fused_moe.FAMILIES
+    without the Gluon kernels), the CPU-tested reference."""
+    call = Call(weights, weights.w13_qweight.device, dtype, num_pairs)
+    return next(c for f in FAMILIES if f is not gluon_sm90.FAMILY and (c := f.heuristic(call)) is not None)
 
 
 def random_stack(
@@ -191,8 +190,7 @@ def tune_shape(
         x = torch.randn(m, h, device="cuda").to(dtype)
         ids = torch.stack([torch.randperm(e, device="cuda")[:top_k] for _ in range(m)]).to(torch.int32)
         w = torch.rand(m, top_k, device="cuda")
-        reference = replace(heuristic_config(m, top_k, e), portable=True)
-        expected = fused_moe(x, weights[0], ids, w, config=reference)
+        expected = fused_moe(x, weights[0], ids, w, config=tl_reference(weights[0], m * top_k, dtype))
         timings = []
         for cfg in candidate_configs(m, top_k, weights[0]):
             out = fused_moe(x, weights[0], ids, w, config=cfg)
@@ -210,7 +208,7 @@ def tune_shape(
 
 def tune(shapes: Iterable[tuple[int, int, int, int]], dtype: torch.dtype, out_dir: str | Path) -> list[Path]:
     """Tune every ``(E, H, I, top_k)`` shape and write one JSON file per shape into ``out_dir``."""
-    forced = [name for name in (GLUON_ENV, PORTABLE_ENV) if os.environ.get(name, "") == "1"]
+    forced = [name for name in (gluon_sm90.GLUON_ENV, gluon_sm90.PORTABLE_ENV) if os.environ.get(name, "") == "1"]
     if forced:
         raise RepackError(
             f"repack tune: ${forced[0]} is set, so candidates would not run the kernels their entries name; unset it"

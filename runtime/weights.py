@@ -30,7 +30,7 @@ class MoeWeights:
     word_order: str = GPTQ_ORDER  # where each input sits in the words: GPTQ_ORDER or MMA128_ORDER (SPEC.md section 3)
     # Set on a routed stack joined with its shared chunks (join_adjacent): the routed experts come first, the
     # shared chunks are experts routed_experts..E-1. Kernel configs are tuned per routed stack, so they are
-    # looked up by this count (runtime/kernel_config.get_config).
+    # looked up by this count (runtime/fused_moe.get_config).
     routed_experts: int | None = None
 
     @property

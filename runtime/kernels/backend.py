@@ -1,5 +1,5 @@
-"""Which backend the kernels run on: a CUDA GPU, or on the CPU the Triton interpreter (tests, no GPU); and whether
-that backend can run the Gluon sm_90 kernels (:func:`gluon_sm90_runs`).
+"""Which backend the kernels run on: a CUDA GPU, or on the CPU the Triton interpreter (tests, no GPU). (Whether a
+device runs the Gluon sm_90 kernels is theirs to say: runtime/kernels/gluon_sm90.py ``runs_on``.)
 
 Why a check: Triton decides at import whether its kernels are interpreted, so a CPU run whose triton was imported
 without ``TRITON_INTERPRET=1`` dies deep inside Triton ("0 active drivers"); callers check first and say what to do.
@@ -42,15 +42,3 @@ def interpreter_active() -> bool:
 
     kernels = (gptq_order._w13_kernel, gptq_linear._gptq_linear_kernel)
     return all(isinstance(kernel, InterpretedFunction) for kernel in kernels)
-
-
-def gluon_sm90_runs(device: torch.device) -> bool:
-    """Whether the Gluon sm_90 kernels (runtime/kernels/gluon_sm90.py) can run on ``device``: a CUDA (not ROCm)
-    GPU of compute capability 9.0, kernels compiled rather than interpreted (Gluon has no interpreter), and a
-    Triton that ships Gluon's Hopper API."""
-    device = torch.device(device)
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    from repack.runtime.kernels import gluon_sm90
-
-    return gluon_sm90.available() and not interpreter_active() and torch.cuda.get_device_capability(device) == (9, 0)

@@ -1,4 +1,5 @@
-"""Decode kernels: the fused MoE for a few (token, expert) pairs on CUDA cores, no tensor cores.
+"""Decode kernels: the fused MoE for a few (token, expert) pairs on CUDA cores, no tensor cores (the ``decode``
+family, :data:`FAMILY`: any stack, one program per pair, the top-k summed in its w2).
 
 Dimension letters: runtime/kernels/__init__.py.
 
@@ -29,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernel_config import KernelConfig
+from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels.common import TL_DTYPES, expert_of, projection_args, quant_params, word_mask
+from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.kernels.routing import route_tokens
 from repack.runtime.weights import MoeWeights
 
@@ -436,7 +438,7 @@ class DecodeScratch:
             self.views[name] = self.views[name].view(torch.float32)
 
 
-def run(
+def launch(
     x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
     weights: MoeWeights,
     topk_ids: torch.Tensor,  # [M, T] int32/int64
@@ -469,7 +471,7 @@ def run(
     zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
     order = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
     if routing is not None and has_perm:
-        raise ValueError("decode.run: routing inside the prepare launch needs a stack without act-order")
+        raise ValueError("decode.launch: routing inside the prepare launch needs a stack without act-order")
     logits, renormalize = routing if routing is not None else (x, False)  # logits unread without ROUTE
     _prepare_kernel[(rows, blocks)](
         x_ptr=x,
@@ -525,3 +527,41 @@ def run(
     args2.update(group_len=weights.group_len(n_inter), blocks_per_split=per_slice2)
     args2.update(EVEN_K=n_inter % block_k == 0, REDUCE=reduce2)
     _w2_decode_kernel[(num_pairs, tiles2, slices2)](**args2, **shared)
+
+
+def direct_mode(num_pairs: int, num_experts: int) -> bool:
+    """Decode: one CUDA-core program per (token, k) pair beats sorting while pairs rarely share experts
+    (where the H200 crossover sits: benchmarks/RESULTS.md). Each pair reads its expert's weights: with more pairs
+    than experts (Mixtral's eight at 16 tokens: four reads of every expert) the sorted path reads each once."""
+    return num_pairs <= max(32, num_experts // 2) and num_pairs <= max(8, num_experts)
+
+
+class Decode(KernelFamily):
+    """Any stack (bits, word order, groups, act-order), one program per pair and BLOCK_N channels."""
+
+    family = Family.DECODE
+    topk_sum = TopkSum.IN_W2
+
+    def supports(self, call: Call) -> bool:
+        return True
+
+    def heuristic(self, call: Call) -> KernelConfig | None:
+        """While :func:`direct_mode`: few pairs leave most of the GPU idle, so slices of K give it programs
+        (KERNEL_NOTES.md item 10)."""
+        if not direct_mode(call.num_pairs, call.weights.num_experts):
+            return None
+        split = 4 if call.num_pairs <= 8 else 2 if call.num_pairs <= 16 else 1
+        return KernelConfig(Family.DECODE, 16, 32, 128, 1, num_warps=1, num_stages=1, direct=True, split_k=split)
+
+    def block_rows(self, config: KernelConfig) -> None:
+        return None
+
+    def routes_in_first_launch(self, weights: MoeWeights) -> bool:
+        """The prepare launch routes each token (not for act-order stacks: their prepared rows need the ids)."""
+        return weights.w13_perm is None
+
+    def run(self, work: Work, config: KernelConfig) -> None:
+        launch(work.x, work.weights, work.topk_ids, work.topk_weights, work.out, config, work.routing)
+
+
+FAMILY = Decode()

@@ -29,24 +29,36 @@ instruction, or two sharing the block's activations over 256 rows for large batc
   the epilogue splits one accumulator into ``silu(gate) * up``. w2: routing weight in fp32, then fp32 atomics
   into [M, H] (the top-k sum) or one row per pair.
 
+The kernels build their layouts themselves, from their tile constexprs and warp count (``gluon.constexpr_function``
+helpers below): a launch passes the tile, nothing about how threads hold it.
+
 Needs an ``mma128`` stack (4-bit, K % 128 == 0, groups a multiple of 128 or -1) and a GPU of compute
-capability 9.0; :func:`available` says whether this Triton has the Gluon Hopper API at all.
+capability 9.0; :func:`available` says whether this Triton has the Gluon Hopper API at all. The ``gluon_sm90``
+family (:data:`FAMILY`): aligned row blocks of its tile's ``block_m``, w13 clearing the [M, H] target w2 adds the
+top-k into; where it does not run, a ``gluon_sm90`` config's tl tile runs on the weight-major kernels.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import replace
 
 import torch
 import triton
 
-from repack.runtime.kernel_config import GluonTile, KernelConfig
+from repack.runtime.kernel_config import Family, GluonTile, KernelConfig
+from repack.runtime.kernels import weight_major
+from repack.runtime.kernels.act_order import gather_act_order
 from repack.runtime.kernels.align import Alignment
+from repack.runtime.kernels.backend import interpreter_active
 from repack.runtime.kernels.common import tile_ids
+from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.weights import MoeWeights
 
 try:  # Gluon's Hopper API (Triton >= 3.5); the portable tl kernels serve where it is missing.
     from triton.experimental import gluon
+    from triton.experimental.gluon import constexpr_function
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -60,6 +72,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = exc
 
 STEP_K = 128  # K values per step: 16 int32 words per row, eight 16-deep wgmmas
+PORTABLE_ENV = "REPACK_PORTABLE_KERNELS"  # "1": never these kernels (the tl kernels everywhere)
+GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": these kernels for every aligned tensor-core call they can run, their tile
 # Act-order stacks: each pair's row gathered once (kernels/act_order.py), then the plain kernels; False keeps the
 # in-loop column gather (the comparison benchmarks/probe_glue.py measures).
 ACT_ORDER_GATHER = True
@@ -70,7 +84,21 @@ def available() -> bool:
     return _IMPORT_ERROR is None
 
 
-def heuristic(num_pairs: int, num_experts: int) -> GluonTile:
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels can run on ``device``: a CUDA (not ROCm) GPU of compute capability 9.0, kernels
+    compiled rather than interpreted (Gluon has no interpreter), and a Triton that ships Gluon's Hopper API."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return available() and not interpreter_active() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def reads(weights: MoeWeights) -> bool:
+    """Whether these kernels read this stack: mma128 words (4-bit, K % 128 == 0, groups a multiple of 128)."""
+    return weights.mma_order and weights.bits == 4
+
+
+def heuristic_tile(num_pairs: int, num_experts: int) -> GluonTile:
     """A tile for a shape nobody tuned: the token tile follows the rows each expert gets; past 48 two warpgroups
     share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16)."""
     per_expert = num_pairs / max(1, num_experts)
@@ -103,7 +131,7 @@ def preferred(weights: MoeWeights, dtype: torch.dtype, num_pairs: int) -> bool:
     return dtype == torch.float16 or num_pairs / max(1, weights.num_experts) > 48
 
 
-# Every tile the heuristic picks: the CPU compile test builds each for sm_90.
+# Every tile heuristic_tile picks: the CPU compile test builds each for sm_90.
 SHIPPED_TILES = (
     GluonTile(16, 64, 1),
     GluonTile(32, 64, 4),
@@ -113,62 +141,70 @@ SHIPPED_TILES = (
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Layouts (host side: plain Python values handed to the kernels as constexprs)
+# Layouts: built inside the kernels from their tile constexprs and warp count
 # ---------------------------------------------------------------------------------------------------------------
 
+if available():
 
-def word_layout(rows: int, warps: int):
-    """[rows, 8] int32 words of half a K step: thread (warp w, lane l) holds rows ``16w + l // 4 (+ 8)`` (and
-    every ``16 * warps`` rows on), words ``l % 4`` and ``l % 4 + 4``: exactly the words its wgmma A fragment
-    needs (warps 0-3 are the first warpgroup's 64 rows, 4-7 the second's)."""
-    cta_rows = 16 * warps
-    reg = [[8, 0], [0, 4]] + [[cta_rows << j, 0] for j in range(int(math.log2(rows // cta_rows)))]
-    lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
-    warp = [[16 << j, 0] for j in range(int(math.log2(warps)))]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 8])
+    @constexpr_function
+    def word_layout(rows, warps):
+        """[rows, 8] int32 words of half a K step: thread (warp w, lane l) holds rows ``16w + l // 4 (+ 8)`` (and
+        every ``16 * warps`` rows on), words ``l % 4`` and ``l % 4 + 4``: exactly the words its wgmma A fragment
+        needs (warps 0-3 are the first warpgroup's 64 rows, 4-7 the second's)."""
+        cta_rows = 16 * warps
+        reg = [[8, 0], [0, 4]] + [[cta_rows << j, 0] for j in range(int(math.log2(rows // cta_rows)))]
+        lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+        warp = [[16 << j, 0] for j in range(int(math.log2(warps)))]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, 8])
 
+    @constexpr_function
+    def acc_layout(block_m, warps):
+        """The wgmma accumulator [rows, block_m]: every warp 16 rows of each 16 * warps, tokens as N."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
 
-def mma_layout(block_m: int, warps: int):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
+    @constexpr_function
+    def a_layout(block_m, warps):
+        """The wgmma A operand from registers, [rows, 16] per chunk (what a word's fp16x2 pairs already are)."""
+        return gl.DotOperandLayout(operand_index=0, parent=acc_layout(block_m, warps), k_width=2)
 
+    @constexpr_function
+    def x_parts(block_m, warps):
+        """Parts of a K step's activation copy (see ``_copy_x``): its two halves apart (fewer address and, for
+        act-order, gathered-value registers at once), or both at once where a half has fewer rows than the copy
+        layout (whose repeated rows would copy twice)."""
+        return 2 if block_m >= 4 * warps else 1
 
-def x_parts(block_m: int, warps: int) -> int:
-    """Parts of a K step's activation copy (see ``_copy_x``): its two halves apart (fewer address and, for
-    act-order, gathered-value registers at once), or both at once where a half has fewer rows than the copy
-    layout (whose repeated rows would copy twice)."""
-    return 2 if block_m >= 4 * warps else 1
+    @constexpr_function
+    def x_layout(warps):
+        """[rows, 64] activations (one half K step of a token per row): eight threads move a row's 128 bytes, 16
+        each, which under the 128-byte swizzle of the shared ring is one conflict-free wavefront."""
+        return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
 
+    @constexpr_function
+    def out_layout(block_n, block_m, warps):
+        """[channels, tokens] epilogue tiles, up to 8 channels per thread (stores along a row 16 bytes wide), no
+        element held by two threads (the w2 epilogue adds atomically)."""
+        per_thread = min(8, max(1, block_n * block_m // (32 * warps)))
+        lanes_n = min(32, block_n // per_thread)
+        lanes_m = 32 // lanes_n
+        warps_m = min(warps, max(1, block_m // lanes_m))
+        return gl.BlockedLayout([per_thread, 1], [lanes_n, lanes_m], [warps // warps_m, warps_m], [0, 1])
 
-def x_layout(warps: int):
-    """[rows, 64] activations (one half K step of a token per row): eight threads move a row's 128 bytes, 16 each,
-    which under the 128-byte swizzle of the shared ring is one conflict-free wavefront."""
-    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+    @constexpr_function
+    def w_copy_layout(warps):
+        """[rows, 16] words of a K step as cp.async copies them: four words (16 bytes) a thread."""
+        return gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0])
 
+    @constexpr_function
+    def zero_layout(warps):
+        """The [8 * 32 * warps] fp16 run one clearing step stores: 16 bytes a thread."""
+        return gl.BlockedLayout([8], [32], [warps], [0])
 
-def out_layout(block_n: int, block_m: int, warps: int):
-    """[channels, tokens] epilogue tiles, up to 8 channels per thread (stores along a row 16 bytes wide), no
-    element held by two threads (the w2 epilogue adds atomically)."""
-    per_thread = min(8, max(1, block_n * block_m // (32 * warps)))
-    lanes_n = min(32, block_n // per_thread)
-    lanes_m = 32 // lanes_n
-    warps_m = min(warps, max(1, block_m // lanes_m))
-    return gl.BlockedLayout([per_thread, 1], [lanes_n, lanes_m], [warps // warps_m, warps_m], [0, 1])
-
-
-def _layouts(rows: int, block_m: int, block_n: int, warps: int) -> dict:
-    mma = mma_layout(block_m, warps)
-    return dict(
-        WORD_LAYOUT=word_layout(rows, warps),
-        ACC_LAYOUT=mma,
-        A_LAYOUT=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
-        X_LAYOUT=x_layout(warps),
-        X_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
-        OUT_LAYOUT=out_layout(block_n, block_m, warps),
-        W_COPY_LAYOUT=gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0]),
-        # 16-byte units (what one thread copies: whole 32-byte sectors per row from global memory) XOR-swizzled by
-        # row // 2 (mod 4): the eight rows whose word t a warp reads at once then fall in distinct banks.
-        W_SMEM_LAYOUT=gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0]),
-    )
+    # The shared ring: activations under the 128-byte swizzle (see x_layout); words in 16-byte units (what one
+    # thread copies: whole 32-byte sectors per row from global memory) XOR-swizzled by row // 2 (mod 4), so the
+    # eight rows whose word t a warp reads at once fall in distinct banks.
+    X_SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    W_SMEM_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,7 +241,7 @@ if available():
 
     @gluon.jit
     def _dequant_chunk(words, i: gl.constexpr, scale2, bias2, odd2, IS_FP16: gl.constexpr, DTYPE: gl.constexpr,
-                       A_LAYOUT: gl.constexpr):  # fmt: skip
+                       BLOCK_M: gl.constexpr):  # fmt: skip
         """Chunk ``4g + i`` of half-step words [rows, 8] as the [rows, 16] wgmma A operand (see module doc)."""
         if IS_FP16:
             src = words if i < 2 else words >> 8
@@ -233,15 +269,16 @@ if available():
         )
         pairs = gl.join(lo, hi)
         weights = gl.reshape(pairs, [words.shape[0], 16])
-        return gl.convert_layout(weights, A_LAYOUT, assert_trivial=True)
+        return gl.convert_layout(weights, a_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
 
     @gluon.jit
-    def _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr,
-                X_PARTS: gl.constexpr, X_LAYOUT: gl.constexpr):  # fmt: skip
+    def _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr):
         """cp.async the [2 * BLOCK_M, 64] activations of the K step at ``k0`` into ``x_stage``: row
         ``h * BLOCK_M + j`` holds inputs ``k0 + 64h .. k0 + 64h + 63`` of the block's token j (act-order: the columns
         the permutation names). In ``X_PARTS`` parts of whole halves (:func:`x_parts`; ``token_rows``,
         ``pair_mask``: one part's rows)."""
+        X_PARTS: gl.constexpr = x_parts(BLOCK_M, gl.num_warps())
+        X_LAYOUT: gl.constexpr = x_layout(gl.num_warps())
         PART_ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS
         r = gl.arange(0, PART_ROWS, layout=gl.SliceLayout(1, X_LAYOUT))
         within = gl.arange(0, 64, layout=gl.SliceLayout(0, X_LAYOUT))
@@ -265,21 +302,18 @@ if available():
 
     @gluon.jit
     def _copy_step(w_stage, x_stage, w_rows, w_ok, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr,
-                   HAS_PERM: gl.constexpr, X_PARTS: gl.constexpr, X_LAYOUT: gl.constexpr,
-                   W_COPY_LAYOUT: gl.constexpr):  # fmt: skip
+                   HAS_PERM: gl.constexpr):  # fmt: skip
         """cp.async one K step into a ring stage, as one commit group: the [rows, 16] words (16 bytes a thread) and
         the [2 * BLOCK_M, 64] activations (see :func:`_copy_x`)."""
-        offs_w = gl.arange(0, 16, layout=gl.SliceLayout(0, W_COPY_LAYOUT))
+        offs_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_copy_layout(gl.num_warps())))
         async_copy.async_copy_global_to_shared(w_stage, w_rows + k0 // 8 + gl.expand_dims(offs_w, 0), mask=w_ok)
-        _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M, HAS_PERM, X_PARTS, X_LAYOUT)
+        _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M, HAS_PERM)
 
     @gluon.jit
     def _k_loop(w_rows, w_ok, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask, perm_row_ptr, K,
                 stride_s_g, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
-                HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr, X_PARTS: gl.constexpr,
-                WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
-                X_SMEM_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
-                W_SMEM_LAYOUT: gl.constexpr):  # fmt: skip
+                HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr,
+                STAGES: gl.constexpr):  # fmt: skip
         """acc [ROWS, BLOCK_M] = W[rows, :] @ X[:, pairs] for one program: the loop both GEMMs share.
 
         A ring of STAGES K steps (words and activations, cp.async) runs STAGES - 2 steps ahead of the MMAs: the
@@ -287,17 +321,17 @@ if available():
         weight row's first word (copy layout), ``w_ok`` its mask."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         IS_FP16: gl.constexpr = dtype == gl.float16
+        WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         x_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_SMEM_LAYOUT)
-        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
+        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=acc_layout(BLOCK_M, gl.num_warps()))
         scale2, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, 0, stride_s_g, HAS_ZEROS, SYM_ZERO,
                                           IS_FP16)  # fmt: skip
         num_steps = K // 128  # steps clamp in step units: their word offsets stay 64-byte aligned (16-byte copies)
         AHEAD: gl.constexpr = STAGES - 2  # steps in flight; one more stage is still read by the last wgmma
         for s in gl.static_range(AHEAD):
             _copy_step(w_smem.index(s), x_smem.index(s), w_rows, w_ok, token_rows, pair_mask, perm_row_ptr,
-                       gl.minimum(s, num_steps - 1) * 128, BLOCK_M, HAS_PERM, X_PARTS, X_LAYOUT,
-                       W_COPY_LAYOUT)  # fmt: skip
+                       gl.minimum(s, num_steps - 1) * 128, BLOCK_M, HAS_PERM)  # fmt: skip
             async_copy.commit_group()
         for step in range(num_steps):
             k_next = gl.minimum(step + 1, num_steps - 1) * 128
@@ -311,8 +345,7 @@ if available():
             gl.thread_barrier()
             ahead = (step + AHEAD) % STAGES
             _copy_step(w_smem.index(ahead), x_smem.index(ahead), w_rows, w_ok, token_rows, pair_mask, perm_row_ptr,
-                       gl.minimum(step + AHEAD, num_steps - 1) * 128, BLOCK_M, HAS_PERM, X_PARTS, X_LAYOUT,
-                       W_COPY_LAYOUT)  # fmt: skip
+                       gl.minimum(step + AHEAD, num_steps - 1) * 128, BLOCK_M, HAS_PERM)  # fmt: skip
             async_copy.commit_group()
             here = step % STAGES
             w_stage = w_smem.index(here)
@@ -321,7 +354,7 @@ if available():
             x_stage = x_smem.index(here)
             for c in gl.static_range(8):
                 words = low if c < 4 else high
-                a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, dtype, A_LAYOUT)
+                a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, dtype, BLOCK_M)
                 acc = warpgroup_mma(a, _x_chunk(x_stage, c, BLOCK_M), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
             scale2, bias2, odd2 = next_quant
@@ -331,16 +364,15 @@ if available():
 
     @gluon.jit
     def _block(pid, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pid_m, N, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, X_LAYOUT: gl.constexpr,
-               X_PARTS: gl.constexpr):  # fmt: skip
+               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
         """(pid_m, pid_n, pairs [rows, 1] as one part of the activation rows repeats them, expert, whether the block
         exists)."""
         # common.tile_ids is a triton.jit function: Gluon compiles a jit callee with its own (Gluon) semantics, and
         # scalar arithmetic needs no layout, so the grouped order is the tl kernels' own.
         pid_m, pid_n = tile_ids(pid, num_pid_m, gl.cdiv(N, BLOCK_N), GROUP_M)
         live = pid_m < gl.load(num_blocks_ptr)
-        ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS  # one part of _copy_x
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, X_LAYOUT))
+        ROWS: gl.constexpr = 2 * BLOCK_M // x_parts(BLOCK_M, gl.num_warps())  # one part of _copy_x
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, x_layout(gl.num_warps())))
         pairs = gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + r % BLOCK_M), 1)
         expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
         return pid_m, pid_n, pairs, expert, live
@@ -352,17 +384,20 @@ if available():
         return gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + j), 0)
 
     @gluon.jit
-    def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n, W_COPY_LAYOUT: gl.constexpr):
+    def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n):
         """Each weight row's first word [rows, 1] and its mask, in the copy layout."""
+        W_COPY_LAYOUT: gl.constexpr = w_copy_layout(gl.num_warps())
         rows = gl.convert_layout(rows, gl.SliceLayout(1, W_COPY_LAYOUT))
         ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, W_COPY_LAYOUT))
         w_rows = qw_ptr + expert * stride_qw_e + gl.expand_dims(rows.to(gl.int64) * stride_qw_n, 1)
         return w_rows, gl.expand_dims(ok, 1)
 
     @gluon.jit
-    def _zero_share(ptr, numel, ZERO_BLOCK: gl.constexpr, ZERO_LAYOUT: gl.constexpr):
+    def _zero_share(ptr, numel):
         """This program's share of ``ptr[:numel]`` set to zero: w13 clears the output that w2 then adds the top-k
         into (``reduce="out"``), so the sum costs no launch of its own. Every program takes part, live or not."""
+        ZERO_BLOCK: gl.constexpr = 8 * 32 * gl.num_warps()  # 16-byte stores of fp16, one per thread per step
+        ZERO_LAYOUT: gl.constexpr = zero_layout(gl.num_warps())
         span = gl.cdiv(gl.cdiv(numel, gl.num_programs(0)), ZERO_BLOCK) * ZERO_BLOCK
         start = gl.program_id(0) * span
         end = gl.minimum(numel, start + span)
@@ -378,33 +413,31 @@ if available():
         num_pairs, num_pid_m, N, K, zero_numel,
         stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
-        HAS_PERM: gl.constexpr, X_PARTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        GROUP_M: gl.constexpr, ZERO_OUT: gl.constexpr, ZERO_BLOCK: gl.constexpr, ZERO_LAYOUT: gl.constexpr,
-        WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
-        X_SMEM_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
-        W_SMEM_LAYOUT: gl.constexpr,
+        HAS_PERM: gl.constexpr, ZERO_OUT: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """inter[pair, n] = silu(gate_n . x) * (up_n . x): gate rows then up rows of BLOCK_N channels form one
         A tile of 2 * BLOCK_N rows, split by the epilogue. With ZERO_OUT, also ``zero_ptr[:zero_numel] = 0``."""
+        ROWS: gl.constexpr = 2 * BLOCK_N
+        WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
         if ZERO_OUT:
-            _zero_share(zero_ptr, zero_numel, ZERO_BLOCK, ZERO_LAYOUT)
+            _zero_share(zero_ptr, zero_numel)
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
                                                    num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
-                                                   GROUP_M, X_LAYOUT, X_PARTS)  # fmt: skip
+                                                   GROUP_M)  # fmt: skip
         pair_mask = pairs < num_pairs
         if live:
-            ROWS: gl.constexpr = 2 * BLOCK_N
             offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WORD_LAYOUT))
             channels = pid_n * BLOCK_N + offs_r % BLOCK_N
             rows = channels + (offs_r // BLOCK_N) * N
             rows_ok = channels < N
-            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n, W_COPY_LAYOUT)
+            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n)
             token_rows = x_ptr + (pairs // TOP_K).to(gl.int64) * stride_x
             acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K,
-                          K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, X_PARTS, WORD_LAYOUT,
-                          ACC_LAYOUT, A_LAYOUT, X_LAYOUT, X_SMEM_LAYOUT, STAGES, W_COPY_LAYOUT,
-                          W_SMEM_LAYOUT)  # fmt: skip
+                          K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM,
+                          STAGES)  # fmt: skip
             gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
             act = gl.convert_layout(gate / (1.0 + gl.exp(-gate)) * up, OUT_LAYOUT)
             offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
@@ -420,27 +453,25 @@ if available():
         num_pairs, num_pid_m, N, K,
         stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
-        ATOMIC: gl.constexpr, X_PARTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        WORD_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr,
-        X_SMEM_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, STAGES: gl.constexpr, W_COPY_LAYOUT: gl.constexpr,
-        W_SMEM_LAYOUT: gl.constexpr,
+        ATOMIC: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
+        WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
                                                    num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
-                                                   GROUP_M, X_LAYOUT, X_PARTS)  # fmt: skip
+                                                   GROUP_M)  # fmt: skip
         pair_mask = pairs < num_pairs
         if live:
             rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
             rows_ok = rows < N
-            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n, W_COPY_LAYOUT)
+            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n)
             token_rows = inter_ptr + pairs.to(gl.int64) * stride_inter
             acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K,
-                          stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False, X_PARTS, WORD_LAYOUT,
-                          ACC_LAYOUT, A_LAYOUT, X_LAYOUT, X_SMEM_LAYOUT, STAGES, W_COPY_LAYOUT,
-                          W_SMEM_LAYOUT)  # fmt: skip
+                          stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False,
+                          STAGES)  # fmt: skip
             acc = gl.convert_layout(acc, OUT_LAYOUT)
             out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
             live_pairs = out_pairs < num_pairs
@@ -463,38 +494,28 @@ if available():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def supports(weights: MoeWeights) -> bool:
-    """Whether these kernels read this stack: mma128 words (4-bit, K % 128 == 0, groups a multiple of 128)."""
-    return weights.mma_order and weights.bits == 4
-
-
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,
                      has_perm: bool = False, atomic: bool = False, zero_out: bool = False) -> dict:  # fmt: skip
-    """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`run` launches and
-    the CPU compile test (tests/runtime/test_gluon_compile_sm90.py) builds."""
-    block_n, rows = (tile.block_n, 2 * tile.block_n) if kernel == "w13" else (tile.w2_rows, tile.w2_rows)
-    zero_block = 8 * 32 * tile.warps  # 16-byte stores of fp16, one per thread per step
-    zero = dict(ZERO_OUT=zero_out, ZERO_BLOCK=zero_block, ZERO_LAYOUT=gl.BlockedLayout([8], [32], [tile.warps], [0]))
-    flags = dict(HAS_PERM=has_perm, **zero) if kernel == "w13" else dict(ATOMIC=atomic)
+    """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`launch` launches
+    and the CPU compile test (tests/runtime/test_gluon_compile_sm90.py) builds. The layouts are the kernels' own."""
+    flags = dict(HAS_PERM=has_perm, ZERO_OUT=zero_out) if kernel == "w13" else dict(ATOMIC=atomic)
     return dict(
         flags,
         TOP_K=top_k,
         GROUP_LEN=group_len,
         SYM_ZERO=8,
         HAS_ZEROS=has_zeros,
-        X_PARTS=x_parts(tile.block_m, tile.warps),
         BLOCK_M=tile.block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=tile.block_n if kernel == "w13" else tile.w2_rows,
         GROUP_M=tile.group_m,
         STAGES=tile.stages,
         num_warps=tile.warps,
-        **_layouts(rows, tile.block_m, block_n, tile.warps),
     )
 
 
-def run(
+def launch(
     x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
-    weights: MoeWeights,  # an mma128 stack (:func:`supports`)
+    weights: MoeWeights,  # an mma128 stack (:func:`reads`)
     topk_ids: torch.Tensor,  # [M, T] int32/int64
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment,  # pairs sorted by expert into blocks of config.gluon.block_m
@@ -507,7 +528,7 @@ def run(
     weighted w2 output, added to in fp32 (``reduce="atomic"``) or one row per pair."""
     tile = config.gluon
     if tile is None or rows.block_m != tile.block_m:
-        raise ValueError(f"gluon_sm90.run: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
+        raise ValueError(f"gluon_sm90.launch: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
     route_w, top_k, atomic = topk_weights, topk_ids.shape[1], config.reduce != "pairs"
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     num_pid_m = rows.max_blocks
@@ -533,3 +554,54 @@ def run(
         **launch_constants(tile, "w2", top_k=top_k, group_len=weights.group_len(n_inter), has_zeros=has_zeros,
                            atomic=atomic),
     )  # fmt: skip
+
+
+class GluonSm90(KernelFamily):
+    """mma128 stacks on a Hopper GPU (:func:`reads`, :func:`runs_on`), unless $PORTABLE_ENV."""
+
+    family = Family.GLUON_SM90
+    topk_sum = TopkSum.BY_REDUCE
+    clears_target = True  # w13 zeroes the [M, H] target ("atomic", "out") w2 adds into
+
+    def supports(self, call: Call) -> bool:
+        return reads(call.weights) and os.environ.get(PORTABLE_ENV, "") != "1" and runs_on(call.device)
+
+    def asked_by(self, config: KernelConfig) -> bool:
+        """Its own configs and, where $GLUON_ENV is "1", every aligned tensor-core one."""
+        tensor_core = config.family is not Family.DECODE and not config.direct
+        return config.family is self.family or (tensor_core and os.environ.get(GLUON_ENV, "") == "1")
+
+    def configure(self, config: KernelConfig, call: Call) -> KernelConfig | None:
+        """A config with a tile of these kernels runs it; one without takes :func:`heuristic_tile`'s tile and
+        :func:`heuristic_reduce`'s sum, where :func:`preferred` (or $GLUON_ENV) says so."""
+        if not self.supports(call):
+            return None
+        tile, reduce = config.gluon, config.reduce
+        if tile is None:
+            asked = os.environ.get(GLUON_ENV, "") == "1"
+            if not asked and not preferred(call.weights, call.dtype, call.num_pairs):
+                return None
+            tile, reduce = heuristic_tile(call.num_pairs, call.weights.num_experts), heuristic_reduce(call.dtype)
+        return replace(config, family=self.family, gluon=tile, reduce=reduce)
+
+    def heuristic(self, call: Call) -> KernelConfig | None:
+        """Where these kernels run and are :func:`preferred` (or $GLUON_ENV asks): their heuristic's tile and sum,
+        beside the weight-major heuristic's tl tile."""
+        tl_tile = weight_major.heuristic_tile(call.num_pairs, call.weights.num_experts)
+        return self.configure(KernelConfig(Family.GLUON_SM90, **tl_tile, scale_acc=False), call)
+
+    def block_rows(self, config: KernelConfig) -> int:
+        return config.gluon.block_m
+
+    def run(self, work: Work, config: KernelConfig) -> None:
+        """Act-order stacks (:data:`ACT_ORDER_GATHER`): each pair's row gathered once, then the plain kernels."""
+        x, weights, x_per_pair = work.x, work.weights, False
+        inter = torch.empty(work.topk_ids.numel(), weights.intermediate_size, dtype=x.dtype, device=x.device)
+        if weights.w13_perm is not None and ACT_ORDER_GATHER:
+            x, x_per_pair = gather_act_order(x, work.topk_ids, weights.w13_perm), True
+            weights = replace(weights, w13_perm=None)
+        launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config,
+               x_per_pair=x_per_pair)  # fmt: skip
+
+
+FAMILY = GluonSm90()

@@ -14,18 +14,22 @@ benchmarks/KERNEL_NOTES.md items 4 and 7.
   shift and a mask give the nibble, an OR with 0x6400 and a bitcast give the fp16 ``1024 + q`` with no
   int-to-float conversion, then ``(v - (1024 + zero)) * scale`` (the subtraction is exact, the product rounds
   once: GPTQModel's own ``fp16(scale * (q - zero))``). bf16 uses ``0x4300`` (128 + q) and an fp32 product.
-- NIBBLE_DOTS (tuning-only): one dot per nibble position on the int32 words instead of the int16 reshape.
+The ``gptq_order`` family (:data:`FAMILY`): gptq-order stacks only, always aligned, the top-k sum as the config's
+``reduce`` says; it runs another family's tl tile where that family cannot read the stack. (A per-nibble-dot variant,
+``NIBBLE_DOTS``, was retired: no shipped table or default chose it; KERNEL_NOTES.md item 4 has its numbers.)
 
 Dimension letters: runtime/kernels/__init__.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernel_config import KernelConfig
+from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.common import (
     TL_DTYPES,
@@ -36,6 +40,8 @@ from repack.runtime.kernels.common import (
     tile_ids,
     word_mask,
 )
+from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
+from repack.runtime.kernels.weight_major import heuristic_tile
 from repack.runtime.weights import MoeWeights
 
 
@@ -69,52 +75,6 @@ def _dequant(
 
 
 @triton.jit
-def _nibble_dot(
-    acc,
-    x_rows,
-    k0,
-    perm_ptrs,
-    words,
-    scale,
-    zero,
-    s: tl.constexpr,
-    j_mask,
-    a_mask,
-    offs_j,
-    HAS_PERM: tl.constexpr,
-    BITS: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    SCALE_ACC: tl.constexpr,
-):
-    """acc += A[:, k0 + pack*j + s] @ W[:, k0 + pack*j + s]^T for field ``s`` of every int32 word.
-
-    No reshape and no interleave: field s of the [BLOCK_N, BLOCK_K/pack] word tile is a 2-D tile in the
-    layout the words were loaded in, and the activation columns it multiplies are gathered (stride pack).
-    SCALE_ACC: the weights stay the exact integers ``q - zero`` (the caller scales the K step's sum once per
-    output column: no per-weight multiply, and no fp32 round trip for bf16); else they are dequantized.
-    """
-    VALS: tl.constexpr = 32 // BITS
-    cols = k0 + offs_j * VALS + s
-    if HAS_PERM:
-        cols = tl.load(perm_ptrs + cols, mask=j_mask, other=0)
-    a = tl.load(x_rows + cols[None, :], mask=a_mask, other=0.0)
-    q = (words >> (BITS * s)) & ((1 << BITS) - 1)
-    if tl.float16 == ACT_DTYPE:
-        v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q, exact
-        w = v - (zero + 1024).to(tl.float16)[:, None]  # q - zero, exact
-        if not SCALE_ACC:
-            w = w * scale[:, None]
-    elif SCALE_ACC and BITS == 4:
-        v = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q, exact
-        w = v - (zero + 128).to(tl.bfloat16)[:, None]
-    elif SCALE_ACC:
-        w = (q - zero[:, None]).to(ACT_DTYPE)  # |q - zero| <= 255: exact in bf16
-    else:
-        w = ((q - zero[:, None]).to(tl.float32) * scale.to(tl.float32)[:, None]).to(ACT_DTYPE)
-    return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
 def _w13_kernel(
     # pointers
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
@@ -127,22 +87,21 @@ def _w13_kernel(
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
     # kernel switches
-    EXPONENT_TRICK: tl.constexpr, NIBBLE_DOTS: tl.constexpr, SCALE_ACC: tl.constexpr,
+    EXPONENT_TRICK: tl.constexpr,
     # tile
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, n] = silu(gate_n . x) * (up_n . x) for the rows of one block and BLOCK_N channels.
 
     EVEN_K (K a multiple of BLOCK_K) drops the K masks so weight and activation loads stay 16 bytes wide.
-    NIBBLE_DOTS: ``qw_ptr`` is the int32 view and each K step runs one dot per nibble position (needs
-    BLOCK_K >= 16 * pack and one group per K step); otherwise the int16 view is unpacked by a reshape.
+    ``qw_ptr`` is the int16 view of the words, unpacked by a reshape.
     """
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
     pairs, row_mask, expert = block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
-    VALS: tl.constexpr = (32 if NIBBLE_DOTS else 16) // BITS
+    VALS: tl.constexpr = 16 // BITS
     WORDS_K: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -167,71 +126,20 @@ def _w13_kernel(
         scale_up, zero_up = quant_params(
             scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N
         )
-        if NIBBLE_DOTS:
-            j_mask = (k0 + offs_w * VALS) < K
-            a_mask = row_mask[:, None] & j_mask[None, :]
-            if SCALE_ACC:
-                part_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                part_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            else:
-                part_g = acc_gate
-                part_u = acc_up
-            for s in tl.static_range(VALS):
-                part_g = _nibble_dot(
-                    part_g,
-                    x_rows,
-                    k0,
-                    perm_ptrs,
-                    gate_words,
-                    scale_gate,
-                    zero_gate,
-                    s,
-                    j_mask,
-                    a_mask,
-                    offs_w,
-                    HAS_PERM,
-                    BITS,
-                    ACT_DTYPE,
-                    SCALE_ACC,
-                )
-                part_u = _nibble_dot(
-                    part_u,
-                    x_rows,
-                    k0,
-                    perm_ptrs,
-                    up_words,
-                    scale_up,
-                    zero_up,
-                    s,
-                    j_mask,
-                    a_mask,
-                    offs_w,
-                    HAS_PERM,
-                    BITS,
-                    ACT_DTYPE,
-                    SCALE_ACC,
-                )
-            if SCALE_ACC:
-                acc_gate += part_g * scale_gate.to(tl.float32)[None, :]
-                acc_up += part_u * scale_up.to(tl.float32)[None, :]
-            else:
-                acc_gate = part_g
-                acc_up = part_u
+        k_mask = k0 + offs_k < K
+        if EVEN_K:
+            a_mask = tl.broadcast_to(row_mask[:, None], (BLOCK_M, BLOCK_K))
         else:
-            k_mask = k0 + offs_k < K
-            if EVEN_K:
-                a_mask = tl.broadcast_to(row_mask[:, None], (BLOCK_M, BLOCK_K))
-            else:
-                a_mask = row_mask[:, None] & k_mask[None, :]
-            if HAS_PERM:
-                cols = tl.load(perm_ptrs + k0 + offs_k, mask=k_mask, other=0)
-            else:
-                cols = k0 + offs_k
-            a = tl.load(x_rows + cols[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
-            w_gate = _dequant(gate_words, scale_gate, zero_gate, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, EXPONENT_TRICK)
-            acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate)
-            w_up = _dequant(up_words, scale_up, zero_up, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, EXPONENT_TRICK)
-            acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+            a_mask = row_mask[:, None] & k_mask[None, :]
+        if HAS_PERM:
+            cols = tl.load(perm_ptrs + k0 + offs_k, mask=k_mask, other=0)
+        else:
+            cols = k0 + offs_k
+        a = tl.load(x_rows + cols[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_gate = _dequant(gate_words, scale_gate, zero_gate, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, EXPONENT_TRICK)
+        acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate)
+        w_up = _dequant(up_words, scale_up, zero_up, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, EXPONENT_TRICK)
+        acc_up = tl.dot(a, tl.trans(w_up), acc_up)
         gate_ptrs += WORDS_K
         up_ptrs += WORDS_K
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
@@ -252,16 +160,16 @@ def _w2_kernel(
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
     # kernel switches
-    EXPONENT_TRICK: tl.constexpr, NIBBLE_DOTS: tl.constexpr, SCALE_ACC: tl.constexpr, ATOMIC: tl.constexpr,
+    EXPONENT_TRICK: tl.constexpr, ATOMIC: tl.constexpr,
     # tile
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (NIBBLE_DOTS as in _w13_kernel)."""
+    """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
     pairs, row_mask, expert = block_rows(pid_m, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
-    VALS: tl.constexpr = (32 if NIBBLE_DOTS else 16) // BITS
+    VALS: tl.constexpr = 16 // BITS
     WORDS_K: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -277,37 +185,13 @@ def _w2_kernel(
         scale, zero = quant_params(
             scale_ptrs, zero_ptrs, k0 // group_len, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N
         )
-        if NIBBLE_DOTS:
-            j_mask = (k0 + offs_w * VALS) < K
-            a_mask = row_mask[:, None] & j_mask[None, :]
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if SCALE_ACC else acc
-            for s in tl.static_range(VALS):
-                part = _nibble_dot(
-                    part,
-                    a_rows,
-                    k0,
-                    a_rows,
-                    words,
-                    scale,
-                    zero,
-                    s,
-                    j_mask,
-                    a_mask,
-                    offs_w,
-                    False,
-                    BITS,
-                    ACT_DTYPE,
-                    SCALE_ACC,
-                )
-            acc = acc + part * scale.to(tl.float32)[None, :] if SCALE_ACC else part
+        if EVEN_K:
+            a_mask = tl.broadcast_to(row_mask[:, None], (BLOCK_M, BLOCK_K))
         else:
-            if EVEN_K:
-                a_mask = tl.broadcast_to(row_mask[:, None], (BLOCK_M, BLOCK_K))
-            else:
-                a_mask = row_mask[:, None] & ((k0 + offs_k) < K)[None, :]
-            a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=a_mask, other=0.0)
-            w = _dequant(words, scale, zero, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, EXPONENT_TRICK)
-            acc = tl.dot(a, tl.trans(w), acc)
+            a_mask = row_mask[:, None] & ((k0 + offs_k) < K)[None, :]
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=a_mask, other=0.0)
+        w = _dequant(words, scale, zero, BITS, BLOCK_N, BLOCK_K, ACT_DTYPE, EXPONENT_TRICK)
+        acc = tl.dot(a, tl.trans(w), acc)
         w_ptrs += WORDS_K
     route_w = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * route_w[:, None]
@@ -320,13 +204,7 @@ def _w2_kernel(
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :], acc.to(ACT_DTYPE), mask=mask)
 
 
-def nibble_dots(config: KernelConfig, bits: int) -> bool:
-    """Whether the NIBBLE_DOTS path runs: it needs K >= 16 per dot, BLOCK_K >= 16 * pack (a small group shrinks
-    BLOCK_K, and the reshape path takes over)."""
-    return config.nibble_dots and config.block_k // (32 // bits) >= 16
-
-
-def run(
+def launch(
     x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
     weights: MoeWeights,
     topk_ids: torch.Tensor,  # [M, T] int32/int64
@@ -338,11 +216,9 @@ def run(
 ) -> None:
     """w13 then w2 over the aligned blocks: ``target`` gets each pair's weighted row (or the token's atomic sum)."""
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
-    nibbles = nibble_dots(config, weights.bits)
-    words = torch.int32 if nibbles else torch.int16
-    # the words as int16 (reshape path) or int32 (nibble dots): [E, 2I, H/VALS] and [E, H, I/VALS]
-    args13 = projection_args(weights.w13_qweight.view(words), weights.w13_scales, weights.w13_zeros)
-    args2 = projection_args(weights.w2_qweight.view(words), weights.w2_scales, weights.w2_zeros)
+    # the words as int16, four (4-bit) or two (8-bit) consecutive inputs each: [E, 2I, H/VALS] and [E, H, I/VALS]
+    args13 = projection_args(weights.w13_qweight.view(torch.int16), weights.w13_scales, weights.w13_zeros)
+    args2 = projection_args(weights.w2_qweight.view(torch.int16), weights.w2_scales, weights.w2_zeros)
     act_dtype = TL_DTYPES[x.dtype]
     stack = dict(
         TOP_K=topk_ids.shape[1],
@@ -351,12 +227,8 @@ def run(
         HAS_ZEROS=weights.w13_zeros is not None,
         ACT_DTYPE=act_dtype,
     )
-    switches = dict(
-        # bf16's mantissa holds 128 + q only for 4-bit q: 8-bit bf16 converts instead
-        EXPONENT_TRICK=not (act_dtype == tl.bfloat16 and weights.bits == 8),
-        NIBBLE_DOTS=nibbles,
-        SCALE_ACC=config.scale_acc,
-    )
+    # bf16's mantissa holds 128 + q only for 4-bit q: 8-bit bf16 converts instead
+    switches = dict(EXPONENT_TRICK=not (act_dtype == tl.bfloat16 and weights.bits == 8))
     shared = dict(sorted_pairs_ptr=rows.sorted_pairs, block_experts_ptr=rows.block_experts, **stack, **switches)
     shared.update(num_blocks_ptr=rows.num_blocks, num_pairs=num_pairs, num_pid_m=rows.max_blocks)
     has_perm = weights.w13_perm is not None
@@ -375,3 +247,31 @@ def run(
     launch_tiles(
         _w2_kernel, rows.max_blocks, h, meta, x.device, **args2, **shared, EVEN_K=n_inter % config.block_k == 0
     )
+
+
+class GptqOrder(KernelFamily):
+    """gptq-order stacks of any bits and group size, aligned row blocks only."""
+
+    family = Family.GPTQ_ORDER
+    topk_sum = TopkSum.BY_REDUCE
+    runs_tl_tiles = True
+
+    def supports(self, call: Call) -> bool:
+        return not call.weights.mma_order
+
+    def configure(self, config: KernelConfig, call: Call) -> KernelConfig | None:
+        """Any tl tile (one block per pair, ``direct``, becomes aligned blocks of ``block_m`` rows)."""
+        return replace(config, family=Family.GPTQ_ORDER, direct=False, gluon=None) if self.supports(call) else None
+
+    def heuristic(self, call: Call) -> KernelConfig | None:
+        if not self.supports(call):
+            return None
+        return KernelConfig(Family.GPTQ_ORDER, **heuristic_tile(call.num_pairs, call.weights.num_experts))
+
+    def run(self, work: Work, config: KernelConfig) -> None:
+        x, weights = work.x, work.weights
+        inter = torch.empty(work.topk_ids.numel(), weights.intermediate_size, dtype=x.dtype, device=x.device)
+        launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config)
+
+
+FAMILY = GptqOrder()

@@ -26,6 +26,10 @@ gather their few tokens' columns and need no copy.
 
 Needs 4-bit weights, K % 128 == 0 for both GEMMs, and groups of a multiple of 128 (one scale row per K
 step): :func:`supports`; fused_moe runs other stacks on the gptq-order kernels (runtime/kernels/gptq_order.py).
+The ``weight_major`` family (:data:`FAMILY`): aligned row blocks or one block per pair (``direct``), the top-k
+sum as the config's ``reduce`` says; it also runs the tl tile of a ``gluon_sm90`` config where the Gluon kernels
+do not run, and of a ``gptq_order`` config on an mma128 stack (the only tl family that reads mma128 words). The
+gptq order is what version-1 checkpoints hold (formats/SPEC.md section 6): the defaults reach it there.
 Dimension letters: runtime/kernels/__init__.py.
 """
 
@@ -36,13 +40,19 @@ import triton
 import triton.language as tl
 
 from repack.formats.stacks import MMA128_BLOCK, MMA128_ORDER, choose_word_order
-from repack.runtime.kernel_config import KernelConfig
+from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.common import TL_DTYPES, block_rows, expert_of, launch_tiles, projection_args, tile_ids
+from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.weights import MoeWeights
 
 STEP_K = MMA128_BLOCK  # K values per step: 16 int32 words per row, eight 16-deep dots
 WORDS = STEP_K // 8
+# bf16 activations on these kernels. True (default): each fp16 scale is rounded to bf16 inside the dequantized
+# weight, as serving stacks that cast GPTQ scales to the model dtype do; bf16 then runs as fast as fp16. False: the
+# scale is applied exactly, in fp32 once per K step, at the cost of a second accumulator and half-width tiles. Speed
+# and error of both: benchmarks/KERNEL_NOTES.md item 13. The decode and Gluon kernels apply scales in fp32 anyway.
+BF16_SCALES_IN_WEIGHTS = True
 
 
 def supports(bits: int, hidden_size: int, intermediate_size: int, group_size: int) -> bool:
@@ -345,7 +355,7 @@ def _w2_weight_major_kernel(
         tl.store(out_ptrs, acc.to(ACT_DTYPE), mask=mask)
 
 
-def run(
+def launch(
     x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
     weights: MoeWeights,
     topk_ids: torch.Tensor,  # [M, T] int32/int64
@@ -360,7 +370,7 @@ def run(
     """w13 then w2, the weights as the MMA's register operand. mma128 stacks read the activations as they are;
     aligned blocks of gptq-order stacks read them in nibble-major order (one copy of x; w13 writes the
     intermediate that way). ``config.direct`` gives each pair its own block (no alignment) and gathers its few
-    activations. ``exact_bf16_scales`` (fused_moe.BF16_SCALES_IN_WEIGHTS off) applies bf16 scales in fp32."""
+    activations. ``exact_bf16_scales`` (:data:`BF16_SCALES_IN_WEIGHTS` off) applies bf16 scales in fp32."""
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     has_perm = weights.w13_perm is not None
     direct = config.direct
@@ -410,3 +420,46 @@ def run(
     w13_kernel, w2_kernel = _w13_weight_major_kernel, _w2_weight_major_kernel
     launch_tiles(w13_kernel, num_pid_m, n_inter, meta, x.device, **args13, **shared, GROUP_LEN=weights.group_len(h))
     launch_tiles(w2_kernel, num_pid_m, h, meta, x.device, **args2, **shared, GROUP_LEN=weights.group_len(n_inter))
+
+
+def heuristic_tile(num_pairs: int, num_experts: int) -> dict:
+    """The tile for a shape nobody tuned, as the H200 sweep picked for the tuned ones: the token tile grows with the
+    rows each expert gets (also the gptq-order kernels' heuristic: they were never swept past these)."""
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 8:
+        block_m, block_n, group_m = 16, 128, 1
+    elif per_expert <= 24:
+        block_m, block_n, group_m = 32, 64, 4
+    else:
+        block_m, block_n, group_m = 64, 128, 8
+    return dict(block_m=block_m, block_n=block_n, block_k=128, group_m=group_m, num_warps=4, num_stages=3)
+
+
+class WeightMajor(KernelFamily):
+    """mma128-able stacks (:func:`supports`), either word order; aligned blocks or one block per pair."""
+
+    family = Family.WEIGHT_MAJOR
+    topk_sum = TopkSum.BY_REDUCE
+    runs_tl_tiles = True
+
+    def supports(self, call: Call) -> bool:
+        w = call.weights
+        return supports(w.bits, w.hidden_size, w.intermediate_size, w.group_size)
+
+    def heuristic(self, call: Call) -> KernelConfig | None:
+        if not self.supports(call):
+            return None
+        tile = heuristic_tile(call.num_pairs, call.weights.num_experts)
+        return KernelConfig(Family.WEIGHT_MAJOR, **tile, scale_acc=False)
+
+    def block_rows(self, config: KernelConfig) -> int | None:
+        return None if config.direct else config.block_m
+
+    def run(self, work: Work, config: KernelConfig) -> None:
+        x, weights = work.x, work.weights
+        inter = torch.empty(work.topk_ids.numel(), weights.intermediate_size, dtype=x.dtype, device=x.device)
+        launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config,
+               exact_bf16_scales=not BF16_SCALES_IN_WEIGHTS)  # fmt: skip
+
+
+FAMILY = WeightMajor()

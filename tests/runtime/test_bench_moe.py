@@ -42,7 +42,7 @@ def test_blocks_of_both_modes_agree_with_the_float32_reference(device):
 def test_report_has_a_column_per_shared_mode_and_the_launches():
     launches = [dict(name="_w13_kernel", us=6.0, launches=1.0), dict(name="_route_kernel", us=2.5, launches=1.0)]
     row = dict(
-        case="tiny", dtype="float16", M=1, kernels="Kernels.DECODE", ours_us=10.0, block_joined_us=12.0,
+        case="tiny", dtype="float16", M=1, kernels="decode", ours_us=10.0, block_joined_us=12.0,
         block_separate_us=15.0, floor_us=5.0, ours_over_floor=2.0, cublas_fp16_us=30.0, launches=launches,
     )  # fmt: skip
     no_shared = dict(row, block_joined_us=None, block_separate_us=None, launches=[])

@@ -99,7 +99,7 @@ def test_reduce_out_falls_back_to_fp32_atomics_where_it_cannot_run(device):
     ids = torch.randint(0, 4, (6, 2), generator=gen).to(torch.int32).to(device)
     route_w = torch.rand(6, 2, generator=gen).to(device)
     x = torch.randn(6, 256, generator=gen).to(torch.float16).to(device)
-    config, atomic = dict(WEIGHT_MAJOR, REDUCE="out", PORTABLE=True), dict(WEIGHT_MAJOR, REDUCE="atomic", PORTABLE=True)
+    config, atomic = dict(WEIGHT_MAJOR, REDUCE="out"), dict(WEIGHT_MAJOR, REDUCE="atomic")
     strided = torch.full((6, 512), float("nan"), dtype=torch.float16, device=device)[:, ::2]
     got = fused_moe(x, weights, ids, route_w, config=config, out=strided)
     assert torch.equal(got, fused_moe(x, weights, ids, route_w, config=atomic))
@@ -153,15 +153,16 @@ def test_direct_asym_v1_act_order_g32_atomic_reduce(device, prefetch):
     [(GptqScheme(4, 128, True, "gptq"), True), (GptqScheme(4, -1, False, "gptq_v2"), False)],
     ids=["sym-g128-actorder", "asym-per-channel"],
 )
-def test_aligned_nibble_dots(device, scheme, act_order):
-    """The tensor-core path that runs one dot per nibble position on the int32 words."""
+def test_aligned_gptq_order_steps_of_128_read_an_old_nibble_dots_entry(device, scheme, act_order):
+    """The gptq-order kernels with K steps of 128 (one group per step, or a whole-K group), from an entry that asks
+    for the retired per-nibble dots: the key is read, and the int16 reshape path runs."""
     weights, sources = make_stack(4, 256, 128, scheme, act_order=act_order)
     config = dict(BIG, BLOCK_M=16, BLOCK_K=128, NIBBLE_DOTS=True)
     err = run_case(weights, sources, scheme, 24, 2, [0, 1, 3], config, device, seed=7)
     assert err <= 2e-3
 
 
-WEIGHT_MAJOR = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, WEIGHT_MAJOR=True)
+WEIGHT_MAJOR = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, FAMILY="weight_major")
 
 
 @pytest.mark.parametrize(
@@ -257,13 +258,15 @@ def test_nibble_major_order():
 def test_default_and_heuristic_configs(device):
     """No config: the device's choice (tuned table, heuristic, or the interpreter's on CPU); and the heuristic
     an untuned GPU takes at decode (the direct path), run explicitly."""
-    from repack.runtime.kernel_config import Kernels, heuristic_config
+    from repack.runtime.fused_moe import heuristic_config
+    from repack.runtime.kernel_config import Family
+    from repack.runtime.kernels.family import Call
 
     scheme = GptqScheme(bits=4, group_size=128, sym=True, checkpoint_format="gptq")
     weights, sources = make_stack(8, 128, 128, scheme)
     assert run_case(weights, sources, scheme, 1, 2, list(range(8)), None, device, seed=5) <= 2e-3
-    decode = heuristic_config(1, 2, 8)
-    assert decode.kernels is Kernels.DECODE
+    decode = heuristic_config(Call(weights, torch.device("cuda"), torch.float16, 2))
+    assert decode.family is Family.DECODE
     assert run_case(weights, sources, scheme, 1, 2, list(range(8)), decode, device, seed=8) <= 2e-3
 
 

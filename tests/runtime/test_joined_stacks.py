@@ -266,6 +266,7 @@ def test_a_joined_stack_uses_the_routed_table_with_decode_decided_on_its_pairs(t
     """The tuned table of the routed shape (E=6 here) serves the joined stack (E + C = 8); entries are picked among
     the decode ones or the tensor-core ones, as direct_mode says for the joined call's pairs (top-k + C per token)."""
     from repack.runtime import kernel_config
+    from repack.runtime.fused_moe import get_config
 
     decode = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, DIRECT=True)
     tiles = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, WEIGHT_MAJOR=True)
@@ -281,7 +282,7 @@ def test_a_joined_stack_uses_the_routed_table_with_decode_decided_on_its_pairs(t
                           empty(experts, 1, 128), 4, 128, routed_experts=routed)  # fmt: skip
 
     def config(weights: MoeWeights, tokens: int, top_k: int) -> kernel_config.KernelConfig:
-        return kernel_config.get_config(weights, tokens, top_k, torch.float16, torch.device("cpu"))
+        return get_config(weights, tokens, top_k, torch.float16, torch.device("cpu"))
 
     typed = {m: kernel_config.KernelConfig.from_dict(entry) for m, entry in table.items()}
     try:

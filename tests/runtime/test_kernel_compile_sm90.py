@@ -15,19 +15,28 @@ from pathlib import Path
 
 import pytest
 
-from repack.runtime.kernel_config import KernelConfig, Kernels
+from repack.runtime.kernel_config import Family, KernelConfig
 
 SM90_SHARED_LIMIT = 232448  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
 
 
+def tl_config(config: KernelConfig) -> KernelConfig:
+    """The tl config an entry runs where the Gluon kernels do not: a gluon_sm90 entry's tile on the weight-major
+    kernels (the Gluon tiles themselves are test_gluon_compile_sm90.py's)."""
+    if config.family is Family.GLUON_SM90:
+        return replace(config, family=Family.WEIGHT_MAJOR, gluon=None)
+    return config
+
+
 def all_configs() -> list[KernelConfig]:
-    """Every config shipped in runtime/configs/*.json plus every config the heuristic returns."""
-    from repack.runtime.kernel_config import CONFIG_DIR, heuristic_configs
+    """Every tl config shipped in runtime/configs/*.json plus every one the heuristics return."""
+    from repack.runtime.fused_moe import heuristic_configs
+    from repack.runtime.kernel_config import CONFIG_DIR
 
     configs = dict.fromkeys(heuristic_configs())
     for path in sorted(CONFIG_DIR.glob("*.json")):
         for entry in json.loads(path.read_text()).values():
-            configs[KernelConfig.from_dict(entry)] = None
+            configs[tl_config(KernelConfig.from_dict(entry))] = None
     return list(configs)
 
 
@@ -62,8 +71,7 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
 
     asym = variant == "asym_actorder"
     ptr = "*bf16" if act == "bfloat16" else "*fp16"
-    nibble = cfg.nibble_dots
-    word = "*i32" if nibble or cfg.kernels is not Kernels.GPTQ_ORDER else "*i16"
+    word = "*i32" if cfg.family is not Family.GPTQ_ORDER else "*i16"
     types = dict(
         x_ptr=ptr,
         inter_ptr=ptr,
@@ -85,7 +93,7 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
     common = dict(TOP_K=8, BITS=4, SYM_ZERO=8, HAS_ZEROS=asym, ACT_DTYPE=getattr(tl, act), EVEN_K=True)
     tiles = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     launch = (cfg.num_warps, cfg.num_stages)
-    if cfg.kernels is Kernels.WEIGHT_MAJOR:
+    if cfg.family is Family.WEIGHT_MAJOR:
         direct = cfg.direct
         wm = {k: v for k, v in common.items() if k not in ("BITS", "EVEN_K")}
         wm.update(SCALE_ACC=cfg.scale_acc, DIRECT=direct, QUANT_AHEAD=cfg.quant_ahead, MMA_ORDER=mma_order)
@@ -94,11 +102,11 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
         w13 = _compile(_w13_weight_major_kernel, types, flags13, *launch)
         w2 = _compile(_w2_weight_major_kernel, types2, {**wm, "ATOMIC": atomic}, *launch)
         if act == "bfloat16" and not wm["SCALE_ACC"]:
-            # fused_moe.BF16_SCALES_IN_WEIGHTS = False: exact fp32 scales, on a tile half as wide.
+            # weight_major.BF16_SCALES_IN_WEIGHTS = False: exact fp32 scales, on a tile half as wide.
             exact = dict(SCALE_ACC=True, BLOCK_N=max(32, cfg.block_n // 2))
             _compile(_w13_weight_major_kernel, types, {**flags13, **exact}, *launch)
             _compile(_w2_weight_major_kernel, types2, {**wm, **exact, "ATOMIC": atomic}, *launch)
-    elif cfg.kernels is Kernels.DECODE:
+    elif cfg.family is Family.DECODE:
         # The decode kernels read fp32 prepared activations and write w2's the same way (runtime/kernels/decode.py).
         prepared = dict(types, xp_ptr="*fp32", inter_ptr="*fp32", scratch_ptr="*i32")
         decode = dict(common, PREFETCH=cfg.prefetch, MMA_ORDER=mma_order, **tiles)
@@ -109,22 +117,14 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
         routing = dict(ROUTE=not asym, RENORMALIZE=True, BLOCK_E=128)  # routes where it can
         _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr), dict(prepare, **routing), 1, 1)
     else:
-        mma = dict(
-            common,
-            EXPONENT_TRICK=True,
-            NIBBLE_DOTS=nibble,
-            SCALE_ACC=cfg.scale_acc,
-            BLOCK_M=cfg.block_m,
-            GROUP_M=cfg.group_m,
-            **tiles,
-        )
+        mma = dict(common, EXPONENT_TRICK=True, BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, **tiles)
         w13 = _compile(_w13_kernel, types, {**mma, "HAS_PERM": asym}, *launch)
         w2 = _compile(_w2_kernel, types2, {**mma, "ATOMIC": atomic}, *launch)
     shared = {"w13": w13.metadata.shared, "w2": w2.metadata.shared}
-    if cfg.kernels is Kernels.WEIGHT_MAJOR and not mma_order:
+    if cfg.family is Family.WEIGHT_MAJOR and not mma_order:
         # A gptq-order stack the weight-major kernels cannot run (groups under 128, 8-bit) takes the same config
-        # through the gptq-order kernels (fused_moe.choose_kernels): those must compile and fit as well.
-        fallback = compile_config(replace(cfg, kernels=Kernels.GPTQ_ORDER, direct=False), act, variant, mma_order)
+        # through the gptq-order kernels (fused_moe.choose_family): those must compile and fit as well.
+        fallback = compile_config(replace(cfg, family=Family.GPTQ_ORDER, direct=False), act, variant, mma_order)
         shared.update({f"{name} fallback": size for name, size in fallback.items()})
     return shared
 
@@ -137,7 +137,7 @@ VARIANTS = (("float16", "sym", True), ("bfloat16", "asym_actorder", True), ("flo
 def variants_of(cfg: KernelConfig) -> list[tuple[str, str, bool]]:
     """The variants a config's kernels differ in: the older tensor-core kernels read only gptq order, so the
     word order would compile the same code twice for them."""
-    reads_word_order = cfg.kernels is not Kernels.GPTQ_ORDER
+    reads_word_order = cfg.family is not Family.GPTQ_ORDER
     return [v for v in VARIANTS if reads_word_order or v[2]]
 
 

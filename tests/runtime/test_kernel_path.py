@@ -1,114 +1,214 @@
-"""Which kernels a fused_moe call takes (fused_moe.kernel_path), and the GLUON and PORTABLE keys of a kernel
-config."""
+"""Which family a fused_moe call takes (fused_moe.choose_family, kernel_path): a config's FAMILY, the fallbacks
+where that family cannot run, the Gluon rules on a GPU that runs them, and the FAMILY / GLUON keys (with the
+spelling before FAMILY still read as it ran)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from repack.formats.errors import RepackError
-from repack.runtime.fused_moe import GLUON_ENV, PORTABLE_ENV, choose_kernels, kernel_path
-from repack.runtime.kernel_config import CONFIG_DIR, GluonTile, KernelConfig, Kernels, heuristic_configs
-from repack.runtime.kernels import backend, gluon_sm90
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER
+from repack.runtime.fused_moe import FAMILIES, choose_family, heuristic_configs, kernel_path
+from repack.runtime.kernel_config import CONFIG_DIR, Family, GluonTile, KernelConfig
+from repack.runtime.kernels import gluon_sm90
+from repack.runtime.kernels.gluon_sm90 import GLUON_ENV, PORTABLE_ENV
+from repack.runtime.weights import MoeWeights
 from tests.support.stacks import zero_stack
 
-TENSOR_CORE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, WEIGHT_MAJOR=True)
+TILE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+WEIGHT_MAJOR = dict(TILE, FAMILY="weight_major")
+GLUON = dict(TILE, FAMILY="gluon_sm90")  # no tile of its own: the Gluon heuristic's where it measured faster
+FP16, BF16, CPU = torch.float16, torch.bfloat16, torch.device("cpu")
 
 
-def test_decode_configs_take_the_decode_kernels():
-    config = dict(TENSOR_CORE, DIRECT=True, WEIGHT_MAJOR=False)
-    assert kernel_path(torch.zeros(1, 256), zero_stack(), 2, config) is Kernels.DECODE
+def family(stack, entry, dtype=FP16, pairs=16) -> Family:
+    """The family the call runs under ``entry`` (a dict in the table spelling)."""
+    return choose_family(stack, KernelConfig.from_dict(entry), CPU, dtype, pairs)[0].family
 
 
-def test_gluon_is_asked_for_but_runs_only_on_an_sm90_gpu(monkeypatch):
-    """A GLUON tile or the opt-in variable asks for the Gluon kernels; on the CPU the tl kernels run instead."""
+@pytest.fixture
+def sm90(monkeypatch):
+    """The Gluon kernels' device check answering as an H100/H200 with Gluon's Hopper API would."""
+    monkeypatch.setattr(gluon_sm90, "runs_on", lambda device: True)
+
+
+def test_families_are_walked_in_one_order_and_each_describes_itself():
+    assert [f.family for f in FAMILIES] == [Family.DECODE, Family.GLUON_SM90, Family.WEIGHT_MAJOR, Family.GPTQ_ORDER]
+    assert [f.family for f in FAMILIES if f.runs_tl_tiles] == [Family.WEIGHT_MAJOR, Family.GPTQ_ORDER]
+    assert [f.topk_sum.value for f in FAMILIES] == ["in_w2", "by_reduce", "by_reduce", "by_reduce"]
+    assert [f.clears_target for f in FAMILIES] == [False, True, False, False]
+
+
+def test_decode_configs_take_the_decode_kernels_on_any_stack():
+    for entry in (dict(TILE, FAMILY="decode"), dict(TILE, DIRECT=True)):  # the second in the spelling before FAMILY
+        for stack in (zero_stack(), zero_stack(word_order=GPTQ_ORDER, act_order=True)):
+            assert kernel_path(torch.zeros(1, 256), stack, 2, entry) is Family.DECODE
+
+
+def test_a_family_that_cannot_run_the_stack_hands_its_tile_to_the_first_tl_family_that_can():
+    mma, gptq = zero_stack(), zero_stack(word_order=GPTQ_ORDER)
+    g64 = zero_stack(word_order=GPTQ_ORDER)
+    g64.group_size = 64  # groups under 128: no weight-major kernels
+    assert family(mma, dict(TILE, FAMILY="gptq_order")) is Family.WEIGHT_MAJOR  # only weight-major reads mma128
+    assert family(gptq, dict(TILE, FAMILY="gptq_order")) is Family.GPTQ_ORDER
+    assert family(gptq, WEIGHT_MAJOR) is Family.WEIGHT_MAJOR  # version-1 words of a g128 shape
+    assert family(g64, WEIGHT_MAJOR) is Family.GPTQ_ORDER
+    planned = choose_family(g64, KernelConfig.from_dict(dict(WEIGHT_MAJOR, DIRECT=True)), CPU, FP16, 4)[1]
+    assert planned.family is Family.GPTQ_ORDER and not planned.direct  # gptq-order blocks are always aligned
+    tiled = dict(GLUON, GLUON=[16, 64, 1])
+    for stack, expected in ((mma, Family.WEIGHT_MAJOR), (gptq, Family.WEIGHT_MAJOR), (g64, Family.GPTQ_ORDER)):
+        planned = choose_family(stack, KernelConfig.from_dict(tiled), CPU, FP16, 16)[1]  # not on this CPU
+        assert planned.family is expected and planned.gluon is None and planned.block_m == 16
+
+
+def test_gluon_runs_only_on_an_sm90_gpu(monkeypatch):
+    """A GLUON tile or the opt-in variable asks for the Gluon kernels; on the CPU the weight-major ones run."""
     x = torch.zeros(8, 256)
-    assert gluon_sm90.supports(zero_stack())
-    assert not backend.gluon_sm90_runs(x.device)
-    assert kernel_path(x, zero_stack(), 2, dict(TENSOR_CORE)) is Kernels.WEIGHT_MAJOR
-    assert kernel_path(x, zero_stack(), 2, dict(TENSOR_CORE, GLUON=[16, 64, 1])) is Kernels.WEIGHT_MAJOR
+    assert gluon_sm90.reads(zero_stack()) and not gluon_sm90.runs_on(x.device)
+    for entry in (WEIGHT_MAJOR, GLUON, dict(GLUON, GLUON=[16, 64, 1])):
+        assert kernel_path(x, zero_stack(), 2, entry) is Family.WEIGHT_MAJOR
     monkeypatch.setenv(GLUON_ENV, "1")
-    assert kernel_path(x, zero_stack(), 2, dict(TENSOR_CORE)) is Kernels.WEIGHT_MAJOR
+    assert kernel_path(x, zero_stack(), 2, WEIGHT_MAJOR) is Family.WEIGHT_MAJOR
 
 
-def test_gluon_runs_where_it_is_faster_or_asked_on_a_gpu_that_can_run_it_unless_portable(monkeypatch):
-    """The choice itself, with the backend check answering yes (as on an H100/H200 with Gluon's Hopper API):
-    fp16 always, bf16 past 48 rows per expert, act-order as plain stacks while its rows are gathered first
-    (gluon_sm90.ACT_ORDER_GATHER), else only when asked (gluon_sm90.preferred)."""
-    monkeypatch.setattr("repack.runtime.fused_moe.gluon_sm90_runs", lambda device: True)
-    stack, device, fp16, bf16 = zero_stack(), torch.device("cpu"), torch.float16, torch.bfloat16
-    plain = KernelConfig.from_dict(TENSOR_CORE)
-    tiled = KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[16, 64, 1]))
-    assert choose_kernels(stack, plain, device, fp16, 16) is Kernels.GLUON_SM90
-    assert choose_kernels(stack, plain, device, bf16, 2 * 48) is Kernels.WEIGHT_MAJOR  # two experts, 48 rows each
-    assert choose_kernels(stack, plain, device, bf16, 2 * 49) is Kernels.GLUON_SM90
-    assert choose_kernels(stack, tiled, device, bf16, 16) is Kernels.GLUON_SM90  # a tile asks for it
-    direct = KernelConfig.from_dict(dict(TENSOR_CORE, DIRECT=True, GLUON=[16, 64, 1]))
-    assert choose_kernels(stack, direct, device, fp16, 16) is Kernels.WEIGHT_MAJOR  # one block per pair: no Gluon
+def test_a_gluon_config_without_a_tile_runs_them_where_they_measured_faster(sm90, monkeypatch):
+    """fp16 always, bf16 past 48 rows per expert, act-order as plain stacks while its rows are gathered first
+    (gluon_sm90.ACT_ORDER_GATHER): gluon_sm90.preferred; with the heuristic's tile and top-k sum."""
+    stack = zero_stack()
+    assert family(stack, GLUON, FP16, 16) is Family.GLUON_SM90
+    assert family(stack, GLUON, BF16, 2 * 48) is Family.WEIGHT_MAJOR  # two experts, 48 rows each
+    assert family(stack, GLUON, BF16, 2 * 49) is Family.GLUON_SM90
+    planned = choose_family(stack, KernelConfig.from_dict(GLUON), CPU, FP16, 2 * 49)[1]
+    assert planned.gluon == gluon_sm90.heuristic_tile(98, 2) == GluonTile(128, 128, 8, 4, 8)
+    assert planned.reduce == gluon_sm90.heuristic_reduce(FP16) == "out"
     act_order = zero_stack(act_order=True)
-    assert choose_kernels(act_order, plain, device, fp16, 4096) is Kernels.GLUON_SM90
+    assert family(act_order, GLUON, FP16, 4096) is Family.GLUON_SM90
     monkeypatch.setattr(gluon_sm90, "ACT_ORDER_GATHER", False)
-    assert choose_kernels(act_order, plain, device, fp16, 4096) is Kernels.WEIGHT_MAJOR
+    assert family(act_order, GLUON, FP16, 4096) is Family.WEIGHT_MAJOR
+    assert family(zero_stack(word_order=GPTQ_ORDER), GLUON, FP16, 16) is Family.WEIGHT_MAJOR  # reads mma128 only
+
+
+def test_a_tile_or_the_variable_asks_for_gluon_and_portable_vetoes_it(sm90, monkeypatch):
+    stack, tiled = zero_stack(), dict(GLUON, GLUON=[16, 64, 1], REDUCE="atomic")
+    planned = choose_family(stack, KernelConfig.from_dict(tiled), CPU, BF16, 16)[1]  # not preferred: asked for
+    assert planned.family is Family.GLUON_SM90 and planned.gluon == GluonTile(16, 64, 1) and planned.reduce == "atomic"
+    assert family(stack, WEIGHT_MAJOR, FP16, 16) is Family.WEIGHT_MAJOR  # a weight-major entry runs what it names
+    direct = dict(WEIGHT_MAJOR, DIRECT=True)
     monkeypatch.setenv(GLUON_ENV, "1")
-    assert choose_kernels(act_order, plain, device, fp16, 16) is Kernels.GLUON_SM90
+    for entry in (WEIGHT_MAJOR, dict(TILE, FAMILY="gptq_order"), GLUON):
+        planned = choose_family(stack, KernelConfig.from_dict(entry), CPU, BF16, 16)[1]
+        assert planned.family is Family.GLUON_SM90 and planned.gluon == gluon_sm90.heuristic_tile(16, 2)
+    assert family(zero_stack(act_order=True), GLUON, FP16, 16) is Family.GLUON_SM90
+    monkeypatch.setattr(gluon_sm90, "ACT_ORDER_GATHER", False)
+    assert family(zero_stack(act_order=True), GLUON, FP16, 16) is Family.GLUON_SM90  # asked for: no preference
+    assert family(stack, direct) is Family.WEIGHT_MAJOR  # one block per pair: no Gluon kernels
+    assert family(zero_stack(word_order=GPTQ_ORDER), dict(TILE, FAMILY="gptq_order")) is Family.GPTQ_ORDER
     monkeypatch.setenv(PORTABLE_ENV, "1")
-    assert choose_kernels(stack, tiled, device, fp16, 16) is Kernels.WEIGHT_MAJOR
+    assert family(stack, tiled) is Family.WEIGHT_MAJOR
 
 
-def test_the_heuristic_and_shipped_tables_never_ask_for_gluon():
+def test_the_spelling_before_family_reads_as_it_ran(sm90):
+    """WEIGHT_MAJOR without PORTABLE (the shipped tables' tl entries): the Gluon kernels where they measured faster;
+    with PORTABLE (what `repack tune` wrote for a weight-major winner): the weight-major kernels; a GLUON tile: its
+    tile; NIBBLE_DOTS (retired) is read and dropped."""
+    old = dict(TILE, WEIGHT_MAJOR=True)
+    assert KernelConfig.from_dict(old) == KernelConfig.from_dict(GLUON)
+    assert KernelConfig.from_dict(dict(old, PORTABLE=True)) == KernelConfig.from_dict(WEIGHT_MAJOR)
+    assert KernelConfig.from_dict(dict(old, GLUON=[32, 64, 4])).gluon == GluonTile(32, 64, 4)
+    assert KernelConfig.from_dict(dict(TILE, DIRECT=True, WEIGHT_MAJOR=True)).family is Family.WEIGHT_MAJOR
+    assert KernelConfig.from_dict(dict(TILE, NIBBLE_DOTS=True)) == KernelConfig.from_dict(
+        dict(TILE, FAMILY="gptq_order")
+    )
+    assert family(zero_stack(), old, BF16, 16) is Family.WEIGHT_MAJOR
+    assert family(zero_stack(), old, FP16, 16) is Family.GLUON_SM90
+    assert family(zero_stack(), dict(old, PORTABLE=True), FP16, 16) is Family.WEIGHT_MAJOR
+    with pytest.raises(RepackError, match="PORTABLE .* contradicts a GLUON tile"):
+        KernelConfig.from_dict(dict(old, PORTABLE=True, GLUON=[16, 64, 1]))
+    with pytest.raises(RepackError, match="GLUON tile is the gluon_sm90 family's, not weight_major's"):
+        KernelConfig.from_dict(dict(old, DIRECT=True, GLUON=[16, 64, 1]))  # one block per pair has no Gluon tile
+    with pytest.raises(RepackError, match="drop WEIGHT_MAJOR, PORTABLE"):
+        KernelConfig.from_dict(dict(WEIGHT_MAJOR, WEIGHT_MAJOR=True, PORTABLE=True))
+
+
+def test_family_and_gluon_keys_round_trip_and_bad_ones_are_one_line_errors():
+    entry = dict(GLUON, GLUON=[32, 128, 4, 3])
+    config = KernelConfig.from_dict(entry)
+    assert config.gluon == GluonTile(32, 128, 4, 3) and config.family is Family.GLUON_SM90
+    assert config.to_dict() == entry and list(config.to_dict())[0] == "FAMILY"
+    assert KernelConfig.from_dict(dict(GLUON, GLUON=[16, 64])).gluon == GluonTile(16, 64, 1, 4)
+    two_warpgroups = dict(GLUON, GLUON=[128, 128, 8, 4, 8])
+    assert KernelConfig.from_dict(two_warpgroups).gluon.w2_rows == 256
+    assert KernelConfig.from_dict(two_warpgroups).to_dict() == two_warpgroups
+    assert KernelConfig.from_dict(dict(WEIGHT_MAJOR, DIRECT=True)).to_dict() == dict(WEIGHT_MAJOR, DIRECT=True)
+    assert KernelConfig.from_dict(dict(TILE, FAMILY="decode", DIRECT=True)).to_dict() == dict(TILE, FAMILY="decode")
+    assert "GLUON" not in KernelConfig.from_dict(GLUON).to_dict()
+    bad = [
+        (dict(GLUON, GLUON=[64, 64, 8, 4, 8]), "8 warps need"),
+        (dict(GLUON, GLUON=[24, 64, 1]), "unsupported tile"),
+        (dict(GLUON, GLUON="16,64"), "GLUON must be"),
+        (dict(WEIGHT_MAJOR, GLUON=[16, 64, 1]), "GLUON tile is the gluon_sm90 family's"),
+        (dict(TILE, FAMILY="marlin"), "FAMILY must be one of decode, gluon_sm90, weight_major, gptq_order"),
+        (dict(TILE, FAMILY="decode", DIRECT=False), "decode kernels run one program per pair"),
+        (dict(GLUON, DIRECT=True), "DIRECT .* is a decode or weight_major mode, not gluon_sm90's"),
+    ]
+    for entry, message in bad:
+        with pytest.raises(RepackError, match=message) as info:
+            KernelConfig.from_dict(entry)
+        assert "\n" not in str(info.value)
+
+
+def test_the_heuristic_asks_no_gluon_tile_and_the_tables_name_their_families():
+    """The heuristic's tl configs carry no Gluon tile (the Gluon heuristic's own are SHIPPED_TILES); every shipped
+    entry names its family in the FAMILY spelling, the tensor-core ones tile-less Gluon entries (timed before the
+    Gluon kernels existed, they run the Gluon heuristic's tile where it measured faster)."""
     assert all(config.gluon is None for config in heuristic_configs())
     tables = sorted(CONFIG_DIR.glob("*.json"))
     assert tables
     for path in tables:
-        assert all(KernelConfig.from_dict(e).gluon is None for e in json.loads(path.read_text()).values()), path
-
-
-def test_gluon_key_round_trips_and_bad_tiles_are_one_line_errors():
-    entry = dict(TENSOR_CORE, GLUON=[32, 128, 4, 3])
-    config = KernelConfig.from_dict(entry)
-    assert config.gluon == GluonTile(32, 128, 4, 3) and config.kernels is Kernels.WEIGHT_MAJOR
-    assert config.to_dict() == entry
-    assert KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[16, 64])).gluon == GluonTile(16, 64, 1, 4)
-    two_warpgroups = dict(TENSOR_CORE, GLUON=[128, 128, 8, 4, 8])
-    assert KernelConfig.from_dict(two_warpgroups).gluon.w2_rows == 256
-    assert KernelConfig.from_dict(two_warpgroups).to_dict() == two_warpgroups
-    with pytest.raises(RepackError, match="8 warps need"):
-        KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[64, 64, 8, 4, 8]))
-    assert "GLUON" not in KernelConfig.from_dict(TENSOR_CORE).to_dict()
-    with pytest.raises(RepackError, match="unsupported tile"):
-        KernelConfig.from_dict(dict(TENSOR_CORE, GLUON=[24, 64, 1]))
-    with pytest.raises(RepackError, match="GLUON must be"):
-        KernelConfig.from_dict(dict(TENSOR_CORE, GLUON="16,64"))
+        for entry in json.loads(path.read_text()).values():
+            config = KernelConfig.from_dict(entry)
+            assert "FAMILY" in entry and config.gluon is None, path
+            assert config.family in (Family.DECODE, Family.GLUON_SM90), (path, entry)
 
 
 def test_heuristic_tiles_are_shipped():
     for pairs in (8, 64, 512, 4096, 65536):
-        assert gluon_sm90.heuristic(pairs, 64) in gluon_sm90.SHIPPED_TILES
+        assert gluon_sm90.heuristic_tile(pairs, 64) in gluon_sm90.SHIPPED_TILES
 
 
-def test_portable_keeps_a_config_on_the_tl_kernels_where_gluon_would_run_by_default(monkeypatch):
-    """A tuned tl entry (PORTABLE) runs the tl kernels it was timed on; a GLUON tile or $GLUON_ENV still win."""
-    monkeypatch.setattr("repack.runtime.fused_moe.gluon_sm90_runs", lambda device: True)
-    stack, device = zero_stack(), torch.device("cpu")
-    plain = KernelConfig.from_dict(TENSOR_CORE)
-    portable = KernelConfig.from_dict(dict(TENSOR_CORE, PORTABLE=True))
-    for dtype, pairs in ((torch.float16, 16), (torch.bfloat16, 4096)):
-        assert choose_kernels(stack, plain, device, dtype, pairs) is Kernels.GLUON_SM90
-        assert choose_kernels(stack, portable, device, dtype, pairs) is Kernels.WEIGHT_MAJOR
-    assert kernel_path(torch.zeros(8, 256, dtype=torch.float16), stack, 2, portable) is Kernels.WEIGHT_MAJOR
-    monkeypatch.setenv(GLUON_ENV, "1")
-    assert choose_kernels(stack, portable, device, torch.float16, 16) is Kernels.GLUON_SM90
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 48, 64, 200, 256, 1024, 4096])
+def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm90, m):
+    """Qwen1.5-MoE's table (E=60, I=1408, top-4) on an H200 with the Gluon kernels: decode entries run decode; the
+    tensor-core entries run the Gluon heuristic's tile and sum in fp16 (and in bf16 past 48 rows per expert) and
+    their own weight-major tile otherwise, as they did when those entries said WEIGHT_MAJOR."""
+    from repack.runtime import kernel_config
+    from repack.runtime.kernel_config import load_configs
 
-
-def test_portable_key_round_trips_and_contradicting_a_gluon_tile_is_a_one_line_error():
-    entry = dict(TENSOR_CORE, PORTABLE=True)
-    config = KernelConfig.from_dict(entry)
-    assert config.portable is True and config.gluon is None
-    assert config.to_dict() == entry
-    assert json.loads(json.dumps(config.to_dict()))["PORTABLE"] is True
-    assert "PORTABLE" not in KernelConfig.from_dict(TENSOR_CORE).to_dict()
-    assert KernelConfig.from_dict(dict(TENSOR_CORE, PORTABLE=False)).to_dict() == TENSOR_CORE
-    with pytest.raises(RepackError, match="PORTABLE .* contradicts a GLUON tile"):
-        KernelConfig.from_dict(dict(TENSOR_CORE, PORTABLE=True, GLUON=[16, 64, 1]))
+    fused_moe = importlib.import_module("repack.runtime.fused_moe")  # the module (the package exports its function)
+    monkeypatch.setattr(fused_moe, "device_name", lambda device: "NVIDIA_H200")
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    stack = MoeWeights(meta(60, 2816, 256), meta(60, 16, 2816), meta(60, 2048, 176), meta(60, 11, 2048), bits=4,
+                       group_size=128, word_order=MMA128_ORDER)  # fmt: skip
+    table = load_configs(60, 1408, "NVIDIA_H200")
+    entry = table[min(table, key=lambda k: abs(k - m))]
+    for dtype in (FP16, BF16):
+        x = torch.empty(m, 2048, dtype=dtype, device="meta")
+        plan = fused_moe._plan(x, stack, 4, None, x)
+        assert kernel_config.get_config(stack, m, 4, dtype, x.device) == entry  # the old name answers too
+        if entry.family is Family.DECODE:
+            assert plan.family.family is Family.DECODE and plan.config == entry and plan.block_m is None
+        elif dtype == FP16 or m * 4 / 60 > 48:
+            assert plan.family.family is Family.GLUON_SM90 and plan.config.gluon == gluon_sm90.heuristic_tile(m * 4, 60)
+            assert (
+                plan.config.reduce == gluon_sm90.heuristic_reduce(dtype) and plan.block_m == plan.config.gluon.block_m
+            )
+        else:
+            assert plan.family.family is Family.WEIGHT_MAJOR and plan.config == replace(
+                entry, family=Family.WEIGHT_MAJOR
+            )
+            assert plan.block_m == entry.block_m

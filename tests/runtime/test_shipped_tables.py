@@ -17,7 +17,8 @@ def test_recorded_sweeps_rebuild_the_shipped_tables():
 
 
 def test_every_shipped_entry_parses_into_a_kernel_config_and_back():
+    """In the spelling KernelConfig.to_dict writes (FAMILY named, defaults left out), so a reader sees what runs."""
     for path in CONFIG_DIR.glob("*.json"):
         for entry in json.loads(path.read_text()).values():
             config = KernelConfig.from_dict(entry)
-            assert KernelConfig.from_dict(config.to_dict()) == config
+            assert config.to_dict() == entry and KernelConfig.from_dict(config.to_dict()) == config
