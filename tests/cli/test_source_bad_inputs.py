@@ -72,10 +72,10 @@ def test_ct_scale_of_the_wrong_shape(ct, tmp_path):
     edit_weights(
         ct,
         lambda t: t.update(
-            {f"{EXPERT}.down_proj.weight_scale": t[f"{EXPERT}.down_proj.weight_scale"][:, :1].contiguous()}
+            {f"{EXPERT}.down_proj.weight_scale": t[f"{EXPERT}.down_proj.weight_scale"].repeat(1, 2).contiguous()}
         ),
-    )
-    convert_fails(ct, tmp_path, f"{EXPERT}.down_proj.weight_scale", "expected float16 or bfloat16 or float32 [256, 2]")
+    )  # one group more than the 128 inputs hold
+    convert_fails(ct, tmp_path, f"{EXPERT}.down_proj.weight_scale", "expected float16 or bfloat16 or float32 [128, 1]")
 
 
 def test_ct_asymmetric_without_zero_points(ct, tmp_path):
@@ -86,7 +86,7 @@ def test_ct_asymmetric_without_zero_points(ct, tmp_path):
 def test_ct_zero_points_on_a_symmetric_scheme(tmp_path):
     src = copy_checkpoint(CT_SYM, tmp_path / "src")
     edit_weights(
-        src, lambda t: t.update({f"{EXPERT}.up_proj.weight_zero_point": torch.zeros(32, 2, dtype=torch.int32)})
+        src, lambda t: t.update({f"{EXPERT}.up_proj.weight_zero_point": torch.zeros(16, 1, dtype=torch.int32)})
     )
     convert_fails(src, tmp_path, f"{EXPERT}.up_proj.weight_zero_point: present, but the config says symmetric")
 
@@ -134,9 +134,9 @@ def test_ct_not_compressed(ct, tmp_path):
 def test_ct_quantized_router_is_refused(ct, tmp_path):
     def quantize_router(tensors):
         tensors.pop("model.layers.0.mlp.gate.weight")
-        tensors["model.layers.0.mlp.gate.weight_packed"] = torch.zeros(8, 32, dtype=torch.int32)
-        tensors["model.layers.0.mlp.gate.weight_scale"] = torch.ones(8, 2, dtype=torch.float16)
-        tensors["model.layers.0.mlp.gate.weight_shape"] = torch.tensor([8, 256])
+        tensors["model.layers.0.mlp.gate.weight_packed"] = torch.zeros(8, 16, dtype=torch.int32)
+        tensors["model.layers.0.mlp.gate.weight_scale"] = torch.ones(8, 1, dtype=torch.float16)
+        tensors["model.layers.0.mlp.gate.weight_shape"] = torch.tensor([8, 128])
 
     edit_weights(ct, quantize_router)
     edit_config(ct, lambda q: q.update(ignore=["lm_head"]))
@@ -195,9 +195,9 @@ def test_ct_8bit_layers_convert_and_verify(tmp_path):
 
 def test_awq_wrong_packing_shape(awq, tmp_path):
     edit_weights(
-        awq, lambda t: t.update({f"{EXPERT}.up_proj.qweight": t[f"{EXPERT}.up_proj.qweight"][:, :16].contiguous()})
-    )
-    convert_fails(awq, tmp_path, f"{EXPERT}.up_proj.qzeros", "expected int32 [2, 16]")
+        awq, lambda t: t.update({f"{EXPERT}.up_proj.qweight": t[f"{EXPERT}.up_proj.qweight"][:, :8].contiguous()})
+    )  # half the output words: the qzeros no longer match
+    convert_fails(awq, tmp_path, f"{EXPERT}.up_proj.qzeros", "expected int32 [1, 8]")
 
 
 def test_awq_missing_scales(awq, tmp_path):
@@ -207,7 +207,7 @@ def test_awq_missing_scales(awq, tmp_path):
 
 def test_awq_scales_of_the_wrong_dtype(awq, tmp_path):
     edit_weights(awq, lambda t: t.update({f"{EXPERT}.down_proj.scales": t[f"{EXPERT}.down_proj.scales"].float()}))
-    convert_fails(awq, tmp_path, f"{EXPERT}.down_proj.scales", "expected float16 [2, 256]")
+    convert_fails(awq, tmp_path, f"{EXPERT}.down_proj.scales", "expected float16 [1, 128]")
 
 
 @pytest.mark.parametrize("version", ["gemv", "gemv_fast", "marlin", "exllama"])
@@ -229,7 +229,7 @@ def test_awq_modules_to_not_convert_are_copied(tmp_path):
     def dequantize(tensors):
         for suffix in ("qweight", "qzeros", "scales"):
             tensors.pop(f"{module}.{suffix}")
-        tensors[f"{module}.weight"] = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)).half()
+        tensors[f"{module}.weight"] = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)).half()
 
     edit_weights(src, dequantize)
     edit_config(src, lambda q: q.update(modules_to_not_convert=[module]))
