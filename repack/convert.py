@@ -51,7 +51,14 @@ from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
 from repack.formats.quant_config import DENSE_CONFIG_KEY, DENSE_LINEAR_FORMAT, SOURCE_CONFIG_KEY
 from repack.formats.sources.gptq import gptq_tensors
-from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
+from repack.formats.stacks import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    QUANT_METHOD,
+    iter_pack_stack,
+)
 from repack.plan import ConvertLinear, CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan, dense_linear_config
 from repack.plan_view import describe_plan
 from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
@@ -113,8 +120,17 @@ def disk_errors(target: Callable[[], str], plan: Plan, folder: Path) -> Iterator
             raise RepackError(
                 f"cannot read {shown(os.fsdecode(error.filename))}: {error.strerror}; make the source readable"
             ) from None
+        if error.errno == errno.EFBIG:
+            raise RepackError(
+                f"cannot write {target()}: larger than this process may write (ulimit -f, or the filesystem's file "
+                "size limit); raise the limit or pass a smaller --shard-size"
+            ) from None
         if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise RepackError(f"cannot write {target()}: {error.strerror}; choose a writable output folder") from None
+        if error.errno in (errno.EDQUOT, errno.EIO):
+            raise RepackError(
+                f"cannot write {target()}: {error.strerror}; free some space or choose another output folder"
+            ) from None
         raise
 
 
@@ -137,7 +153,7 @@ class SourceHasher:
     cache once it has used them.
     """
 
-    def __init__(self, folder: Path, files: list[str], lead_bytes: int = HASHER_LEAD_BYTES) -> None:
+    def __init__(self, reader: CheckpointReader, lead_bytes: int = HASHER_LEAD_BYTES) -> None:
         self.results: dict[str, dict] = {}
         self._error: BaseException | None = None
         self._stop = False
@@ -146,37 +162,39 @@ class SourceHasher:
         self._hashed = 0
         self._starts: dict[str, int] = {}  # file -> bytes of the files hashed before it
         total = 0
-        for name in files:
+        for name in reader.files:
             self._starts[name] = total
-            total += (folder / name).stat().st_size
+            total += reader.file_sizes[name]
         self._position: tuple[str, int] = ("", 0)  # file being hashed, bytes of it hashed
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, args=(folder, files), daemon=True)
+        # The reader's descriptors: the bytes hashed are those of the files the converter reads, even if a path is
+        # replaced meanwhile (CheckpointReader.changed then says so).
+        files = [(name, reader.fd(name)) for name in reader.files]
+        self._thread = threading.Thread(target=self._run, args=(files,), daemon=True)
         self._thread.start()
 
-    def _run(self, folder: Path, files: list[str]) -> None:
+    def _run(self, files: list[tuple[str, int]]) -> None:
         try:
             buffer = bytearray(HASH_CHUNK)
             view = memoryview(buffer)
-            for name in files:
+            for name, fd in files:
                 digest, size = hashlib.sha256(), 0
-                with (folder / name).open("rb", buffering=0) as handle:
-                    while True:
-                        with self._cond:
-                            while self._hashed > self._allowed and not self._stop:
-                                self._cond.wait()
-                            if self._stop:
-                                return
-                        count = handle.readinto(view)
-                        if not count:
-                            break
-                        os.posix_fadvise(handle.fileno(), size + count, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-                        digest.update(view[:count])
-                        with self._cond:
-                            self._hashed += count
-                            self._position = (name, size + count)
-                            self._cond.notify_all()
-                        size += count
+                while True:
+                    with self._cond:
+                        while self._hashed > self._allowed and not self._stop:
+                            self._cond.wait()
+                        if self._stop:
+                            return
+                    count = os.preadv(fd, [view], size)
+                    if not count:
+                        break
+                    os.posix_fadvise(fd, size + count, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+                    digest.update(view[:count])
+                    with self._cond:
+                        self._hashed += count
+                        self._position = (name, size + count)
+                        self._cond.notify_all()
+                    size += count
                 self.results[name] = {"sha256": digest.hexdigest(), "size": size}
         except BaseException as error:  # reported in join(), on the main thread
             self._error = error
@@ -254,7 +272,7 @@ def source_spans(reader: CheckpointReader, names: list[str]) -> dict[str, tuple[
     return spans
 
 
-def read_ahead(folder: Path, spans: dict[str, tuple[int, int]], buffer: memoryview) -> None:
+def read_ahead(reader: CheckpointReader, spans: dict[str, tuple[int, int]], buffer: memoryview) -> None:
     """Read each span once, sequentially, so the scattered reads that follow hit the page cache.
 
     Why: a stack's sources are read in pack order (gate and up of every expert, then every down); when
@@ -262,19 +280,16 @@ def read_ahead(folder: Path, spans: dict[str, tuple[int, int]], buffer: memoryvi
     time of one sequential pass over the same bytes. When the bytes are cached this costs one copy.
     """
     for file, (start, end) in spans.items():
-        fd = os.open(folder / file, os.O_RDONLY)
-        try:
-            for offset in range(start, end, len(buffer)):
-                if not os.preadv(fd, [buffer[: min(len(buffer), end - offset)]], offset):
-                    break
-        finally:
-            os.close(fd)
+        fd = reader.fd(file)
+        for offset in range(start, end, len(buffer)):
+            if not os.preadv(fd, [buffer[: min(len(buffer), end - offset)]], offset):
+                break
 
 
 Span = tuple[str, int, int]  # (source file, first byte, end)
 
 
-def drop_from_cache(folder: Path, spans: list[Span], hasher: SourceHasher) -> list[Span]:
+def drop_from_cache(reader: CheckpointReader, spans: list[Span], hasher: SourceHasher) -> list[Span]:
     """Tell the kernel the converter is done with these source bytes (file, start, end) once the hasher is too;
     returns the spans the hasher has not read yet, to drop later.
 
@@ -287,11 +302,7 @@ def drop_from_cache(folder: Path, spans: list[Span], hasher: SourceHasher) -> li
         if not hasher.passed(file, end):
             pending.append((file, start, end))
             continue
-        fd = os.open(folder / file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        os.posix_fadvise(reader.fd(file), start, end - start, os.POSIX_FADV_DONTNEED)
     return pending
 
 
@@ -404,13 +415,14 @@ class Converter:
         torch.set_num_threads(1)
         reuse_freed_memory()
         with disk_errors(lambda: self.current, self.plan, self.folder):
-            self.hasher = SourceHasher(self.plan.source.path, self.plan.weight_files)
+            self.hasher = SourceHasher(self.reader)
             try:
                 self._write_weights()
                 self.current = self.writer.current_file
-                outputs = {f.name: {"sha256": f.sha256, "size": f.size} for f in self.writer.close()}
+                outputs = {f.name: f.record() for f in self.writer.close()}
                 sources = self._copy_files(outputs)
                 sources.update(self.hasher.join())
+                self._check_source_unchanged()
             except BaseException:
                 self.current = self.writer.current_file
                 self.writer.abort()
@@ -439,7 +451,6 @@ class Converter:
 
     def _run_step(self, step: Step) -> None:
         self.current = self.writer.current_file
-        folder = self.plan.source.path
         if isinstance(step, CopyTensor):
             spans, used = source_spans(self.reader, [step.name]), step.nbytes
             self.hasher.wait_past(spans)  # one sequential read: it is read in order whether cached or not
@@ -448,14 +459,14 @@ class Converter:
         else:
             spans, used = source_spans(self.reader, step.sources), step.source_bytes
             if not self.hasher.wait_past(spans):
-                read_ahead(folder, spans, self._scratch)
+                read_ahead(self.reader, spans, self._scratch)
             pieces = converted_linear(self.plan, self.reader, step).items() if isinstance(step, ConvertLinear) else (
                 stream_stack_step(self.plan, self.reader, step))  # fmt: skip
             for name, piece in pieces:
                 self.writer.write(name, piece)
         self.hasher.advance(used)
         used_spans = self._undropped + [(file, start, end) for file, (start, end) in spans.items()]
-        self._undropped = drop_from_cache(folder, used_spans, self.hasher)
+        self._undropped = drop_from_cache(self.reader, used_spans, self.hasher)
 
     def _copy_files(self, outputs: dict) -> dict:
         source = self.plan.source
@@ -467,14 +478,31 @@ class Converter:
             sources[copied.source] = outputs[copied.output] = record
         self.current = str(self.folder / CONFIG_FILE)
         written: WrittenFile = write_json(self.folder / CONFIG_FILE, output_config(self.plan, self.conversion_id))
-        outputs[CONFIG_FILE] = {"sha256": written.sha256, "size": written.size}
-        sha, size = hash_file(source.path / CONFIG_FILE)
-        sources[CONFIG_FILE] = {"sha256": sha, "size": size}
-        index = source.path / "model.safetensors.index.json"
-        if index.is_file():
-            sha, size = hash_file(index)
-            sources[index.name] = {"sha256": sha, "size": size}
+        outputs[CONFIG_FILE] = written.record()
+        # The records of the bytes the plan was built from, not of the files as they are now (_check_source_unchanged).
+        sources[CONFIG_FILE] = source.config_record.to_json()
+        if self.reader.index_record is not None:
+            sources[INDEX_FILE] = self.reader.index_record.to_json()
         return sources
+
+    def _check_source_unchanged(self) -> None:
+        """Refuse to publish when a source file changed while it was read: the output would be a mix of two versions
+        and the manifest's source checksums would match neither (only ``verify --source`` would tell, later)."""
+        source = self.plan.source
+        changed = self.reader.changed()
+        for name, record in ((CONFIG_FILE, source.config_record), (INDEX_FILE, self.reader.index_record)):
+            path = source.path / name
+            if changed is None and record is not None:
+                try:
+                    if hash_file(path)[0] != record.sha256:
+                        changed = f"{path} was written to"
+                except OSError:
+                    changed = f"{path} can no longer be read"
+        if changed is not None:
+            raise RepackError(
+                f"the source changed while converting ({changed}); nothing was written to the output folder: re-run "
+                "once the source is complete"
+            )
 
     def _manifest(self, sources: dict, outputs: dict) -> Manifest:
         return new_manifest(
