@@ -26,6 +26,7 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -588,8 +589,12 @@ class HashingFile:
         self._fd = -1
         self._arrays = []
         for view, buffer in zip(self._views, self._buffers, strict=True):
-            view.release()
-            buffer.close()
+            # After a failed write (disk full, ulimit -f) the error's traceback still holds a slice of a buffer, so
+            # it cannot be closed yet: it is unmapped when that slice is freed. The error is what gets reported.
+            with suppress(BufferError):
+                view.release()
+                buffer.close()
+        self._views, self._buffers = [], []
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

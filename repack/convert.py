@@ -64,7 +64,15 @@ from repack.plan_view import describe_plan
 from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
 from repack.progress import byte_progress
 from repack.provenance import source_record
-from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
+from repack.publish import (
+    OUTCOME,
+    Janitor,
+    WorkFolder,
+    publish,
+    remove_stale_temps,
+    remove_tree,
+    signals_held,
+)
 from repack.source import SourceCheckpoint, resolve_source
 
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
@@ -78,19 +86,6 @@ def temp_folder_for(out: Path) -> Path:
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
 
 
-def remove_stale_temps(out: Path) -> None:
-    """Clean up after killed runs: delete their ``.OUT.tmp-<pid>`` folders, and put back a previous OUT that a
-    ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing. A folder is stale when no live run
-    holds its lock (repack.publish.WorkFolder), whatever its PID says (PIDs are reused)."""
-    for path in out.parent.glob(f".{out.name}.tmp-*"):
-        if is_abandoned(path):
-            shutil.rmtree(path, ignore_errors=True)
-    for path in out.parent.glob(f".{out.name}.old-*"):
-        if is_abandoned(path):
-            if out.exists():
-                shutil.rmtree(path, ignore_errors=True)  # the new OUT was published; this is the leftover
-            else:
-                path.rename(out)
 
 
 def check_free_space(plan: Plan, folder: Path) -> None:
@@ -570,6 +565,7 @@ def convert(
     created = missing_parents(out)  # removed again unless the run publishes OUT
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        janitor = Janitor(out)  # cleans up after this run even if it is killed
         work = WorkFolder(temp_folder_for(out))
     except OSError as error:
         remove_created(created)
@@ -589,16 +585,15 @@ def convert(
                         "replace it"
                     ) from None
                 published = True
+                OUTCOME.published = out
             remove_tree(old)
     except KeyboardInterrupt:
         if not published:
             shutil.rmtree(temp, ignore_errors=True)
             remove_created(created)
             raise
-        remove_tree(old)
-        raise InterruptedAfterPublish(
-            f"interrupted after {out} was complete: it holds the new output (verify it with `repack verify {out}`)"
-        ) from None
+        # What is left of the old tree is the janitor's (it is unlocked): a second Ctrl-C has nothing to cut short.
+        raise InterruptedAfterPublish(OUTCOME.interrupted_line().removeprefix("error: ")) from None
     except BaseException:
         if not published:
             shutil.rmtree(temp, ignore_errors=True)
@@ -606,4 +601,6 @@ def convert(
         raise
     finally:
         work.close()
+        reader.close()
+        janitor.finish()
     return manifest
