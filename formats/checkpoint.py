@@ -169,9 +169,14 @@ def read_safetensors_header_at(fd: int, path: Path, max_header_bytes: int = _MAX
     digest = hashlib.sha256(raw_len)
     digest.update(raw)
     try:
+        if b"\0" in raw:  # valid UTF-8, but no JSON text holds a NUL: UTF-16 or UTF-32, which Python's json reads
+            raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
         header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError:
-        raise RepackError(f"{path}: safetensors header is not UTF-8 (the spec requires it); re-save the file") from None
+        raise RepackError(
+            f"{path}: safetensors header is not UTF-8 (UTF-16 or another encoding; the spec requires UTF-8); re-save "
+            "the file"
+        ) from None
     except (json.JSONDecodeError, ValueError, RecursionError) as error:
         raise RepackError(
             f"{path}: corrupt safetensors header ({_one_line(error)}); re-download or re-save it"
