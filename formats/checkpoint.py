@@ -295,6 +295,7 @@ class CheckpointReader:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self._fds: dict[str, int] = {}
+        self._server = None  # serves reads before the files do (serve_from)
         self.entries: dict[str, TensorEntry] = {}
         self.metadata: dict[str, dict[str, str]] = {}  # file -> its header's __metadata__
         self.header_sha256: dict[str, str] = {}  # file -> sha256 of its header as read (SafetensorsHeader.sha256)
@@ -447,6 +448,12 @@ class CheckpointReader:
             self._pread_into(entry, memoryview(piece.numpy()), entry.offset + start)
             yield piece
 
+    def serve_from(self, server) -> None:
+        """Serve reads from ``server`` where it can: its ``read_into(entry, offset, buffer)`` fills the buffer and
+        returns True, or returns False and the file is read (the converter's read-once stream of these same
+        descriptors, repack.source_reads); None: from the files only."""
+        self._server = server
+
     def fd(self, file: str) -> int:
         """The descriptor ``file``'s header was read through (reads of its data must use it)."""
         if file not in self._fds:
@@ -454,6 +461,8 @@ class CheckpointReader:
         return self._fds[file]
 
     def _pread_into(self, entry: TensorEntry, buffer: memoryview, offset: int) -> None:
+        if self._server is not None and self._server.read_into(entry, offset, buffer):
+            return
         path = self.folder / entry.file
         fd = self.fd(entry.file)
         done = 0

@@ -1,13 +1,14 @@
 """Execute a :class:`~repack.plan.Plan`: stream layer by layer into a temp folder, then rename it to OUT.
 
 Memory: the small tensors (scales, zeros, g_idx) of one stack (of two when a layer's routed and shared stacks
-are written joined, tensor by tensor), one source expert's qweights per stack, and the writer's bounded queue
-of pieces not yet on disk, whatever the model size. Every byte written is hashed as it is written; source
-weight files are hashed by a background thread while the conversion reads them (the page cache serves both),
-other files are hashed while they are copied. OUT appears only complete: the
-output is built in ``.OUT.tmp-<pid>`` next to OUT and published by :mod:`repack.publish` (fsync, then a rename
-that never replaces another run's OUT, or an atomic exchange with --force); on any error or Ctrl-C before that
-the temp folder is removed, and a temp folder left by a killed run is never named like OUT.
+are written joined, tensor by tensor), one source expert's qweights per stack, the source ring and the tensors
+kept aside of :mod:`repack.source_reads`, and the writer's bounded queue of pieces not yet on disk, whatever the
+model size. Every byte written is hashed as it is written; the source weight files are read once, hashed as
+they are read, and the conversion takes its tensors from those reads (:mod:`repack.source_reads`); other files
+are hashed while they are copied. OUT appears only complete: the output is built in ``.OUT.tmp-<pid>`` next to
+OUT and published by :mod:`repack.publish` (fsync, then a rename that never replaces another run's OUT, or an
+atomic exchange with --force); on any error or Ctrl-C before that the temp folder is removed, and a temp folder
+left by a killed run is never named like OUT (its janitor removes it).
 """
 
 from __future__ import annotations
@@ -74,10 +75,9 @@ from repack.publish import (
     signals_held,
 )
 from repack.source import SourceCheckpoint, resolve_source
+from repack.source_reads import SourceReads
 
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
-HASHER_LEAD_BYTES = 2 * 10**9  # how far the source hasher may read ahead of the converter
-PREFETCH_BYTES = 64 << 20  # how far ahead of its reads the source hasher asks the kernel to read
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
@@ -135,110 +135,6 @@ def _is_under(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-class SourceHasher:
-    """sha256 of the source weight files, computed by a background thread while the conversion runs.
-
-    It is the one reader of the source from disk: it reads each file sequentially into one reused buffer,
-    asking the kernel for the next ``PREFETCH_BYTES`` before it hashes what it has (so the disk keeps
-    reading while it hashes), and runs ahead of the converter, which waits (:meth:`wait_past`) until the
-    bytes of a stack are hashed and then reads them from the page cache. It stays at most ``lead_bytes``
-    ahead of the converter (:meth:`advance`): a hasher that races through a 30 GB checkpoint fills the page
-    cache, evicts what the converter has yet to read and makes the kernel reclaim memory on every read
-    (measured: sys time 1.6x the wall). :meth:`passed` tells the converter which bytes it may drop from the
-    cache once it has used them.
-    """
-
-    def __init__(self, reader: CheckpointReader, lead_bytes: int = HASHER_LEAD_BYTES) -> None:
-        self.results: dict[str, dict] = {}
-        self._error: BaseException | None = None
-        self._stop = False
-        self._lead = lead_bytes
-        self._allowed = lead_bytes
-        self._hashed = 0
-        self._starts: dict[str, int] = {}  # file -> bytes of the files hashed before it
-        total = 0
-        for name in reader.files:
-            self._starts[name] = total
-            total += reader.file_sizes[name]
-        self._position: tuple[str, int] = ("", 0)  # file being hashed, bytes of it hashed
-        self._cond = threading.Condition()
-        # The reader's descriptors: the bytes hashed are those of the files the converter reads, even if a path is
-        # replaced meanwhile (CheckpointReader.changed then says so).
-        files = [(name, reader.fd(name)) for name in reader.files]
-        self._thread = threading.Thread(target=self._run, args=(files,), daemon=True)
-        self._thread.start()
-
-    def _run(self, files: list[tuple[str, int]]) -> None:
-        try:
-            buffer = bytearray(HASH_CHUNK)
-            view = memoryview(buffer)
-            for name, fd in files:
-                digest, size = hashlib.sha256(), 0
-                while True:
-                    with self._cond:
-                        while self._hashed > self._allowed and not self._stop:
-                            self._cond.wait()
-                        if self._stop:
-                            return
-                    count = os.preadv(fd, [view], size)
-                    if not count:
-                        break
-                    os.posix_fadvise(fd, size + count, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-                    digest.update(view[:count])
-                    with self._cond:
-                        self._hashed += count
-                        self._position = (name, size + count)
-                        self._cond.notify_all()
-                    size += count
-                self.results[name] = {"sha256": digest.hexdigest(), "size": size}
-        except BaseException as error:  # reported in join(), on the main thread
-            self._error = error
-        finally:
-            with self._cond:
-                self._stop = True
-                self._cond.notify_all()
-
-    def advance(self, nbytes: float) -> None:
-        """The converter has used ``nbytes`` more source bytes: let the hasher read that much further."""
-        with self._cond:
-            self._allowed += nbytes
-            self._cond.notify_all()
-
-    def wait_past(self, spans: dict[str, tuple[int, int]]) -> bool:
-        """Wait until the hasher has read every span (file -> (start, end)), so reading them hits the page cache.
-
-        False at once, without waiting, when a span is not within ``lead_bytes`` of where the hasher is (a
-        source whose tensors are not stored in conversion order), or when the hasher has stopped; the caller
-        then reads the spans itself."""
-        if any(file not in self._starts for file in spans):
-            return False
-        target = max(self._starts[file] + end for file, (_, end) in spans.items())
-        with self._cond:
-            if target - self._hashed > self._lead:
-                return False
-            self._allowed = max(self._allowed, target)
-            self._cond.notify_all()
-            while self._hashed < target and not self._stop:
-                self._cond.wait()
-            return self._hashed >= target
-
-    def passed(self, file: str, end: int) -> bool:
-        """Whether the bytes of ``file`` before ``end`` are hashed (so the page cache may drop them)."""
-        with self._cond:
-            current, offset = self._position
-        return file in self.results or (file == current and offset >= end)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-
-    def join(self) -> dict[str, dict]:
-        self.advance(float("inf"))
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self.results
 
 
 def reuse_freed_memory() -> None:
@@ -255,50 +151,6 @@ def reuse_freed_memory() -> None:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
     libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
-
-
-def source_spans(reader: CheckpointReader, names: list[str]) -> dict[str, tuple[int, int]]:
-    """file -> (first byte, end) of the region that holds the tensors ``names``."""
-    spans: dict[str, tuple[int, int]] = {}
-    for name in names:
-        entry = reader.entry(name)
-        start, end = spans.get(entry.file, (entry.offset, entry.offset + entry.nbytes))
-        spans[entry.file] = (min(start, entry.offset), max(end, entry.offset + entry.nbytes))
-    return spans
-
-
-def read_ahead(reader: CheckpointReader, spans: dict[str, tuple[int, int]], buffer: memoryview) -> None:
-    """Read each span once, sequentially, so the scattered reads that follow hit the page cache.
-
-    Why: a stack's sources are read in pack order (gate and up of every expert, then every down); when
-    the hasher has not read them yet that is thousands of scattered cold reads, measured at 4x the kernel
-    time of one sequential pass over the same bytes. When the bytes are cached this costs one copy.
-    """
-    for file, (start, end) in spans.items():
-        fd = reader.fd(file)
-        for offset in range(start, end, len(buffer)):
-            if not os.preadv(fd, [buffer[: min(len(buffer), end - offset)]], offset):
-                break
-
-
-Span = tuple[str, int, int]  # (source file, first byte, end)
-
-
-def drop_from_cache(reader: CheckpointReader, spans: list[Span], hasher: SourceHasher) -> list[Span]:
-    """Tell the kernel the converter is done with these source bytes (file, start, end) once the hasher is too;
-    returns the spans the hasher has not read yet, to drop later.
-
-    Keeping the page cache small keeps every later read free of memory reclaim; the output never enters
-    the cache (O_DIRECT), so the source is all there is to drop. Only the converter drops source bytes: it
-    alone knows which bytes it has used, whatever order the plan reads the files in.
-    """
-    pending = []
-    for file, start, end in spans:
-        if not hasher.passed(file, end):
-            pending.append((file, start, end))
-            continue
-        os.posix_fadvise(reader.fd(file), start, end - start, os.POSIX_FADV_DONTNEED)
-    return pending
 
 
 def stream_pack_stack(plan: Plan, reader: CheckpointReader, step: PackStack) -> Iterator[tuple[str, torch.Tensor]]:
@@ -401,8 +253,7 @@ class Converter:
         self.writer = ShardedWriter(folder, plan.output_tensors(), shard_bytes, metadata=metadata)
         self.quiet = quiet
         self.current = str(folder)
-        self._scratch = memoryview(bytearray(HASH_CHUNK))
-        self._undropped: list[Span] = []  # source spans used before the hasher read them
+        self.steps = [step for group in plan.groups for step in group.steps]
 
     def run(self) -> Manifest:
         # One intra-op thread: the tensor ops are small per expert, and the hashing and writer threads
@@ -410,20 +261,20 @@ class Converter:
         torch.set_num_threads(1)
         reuse_freed_memory()
         with disk_errors(lambda: self.current, self.plan, self.folder):
-            self.hasher = SourceHasher(self.reader)
+            self.reads = SourceReads(self.reader, self.steps)
             try:
                 self._write_weights()
                 self.current = self.writer.current_file
                 outputs = {f.name: f.record() for f in self.writer.close()}
                 sources = self._copy_files(outputs)
-                sources.update(self.hasher.join())
+                sources.update(self.reads.finish())
                 self._check_source_unchanged()
             except BaseException:
                 self.current = self.writer.current_file
                 self.writer.abort()
                 raise
             finally:
-                self.hasher.stop()
+                self.reads.stop()
             manifest = self._manifest(sources, outputs)
             self.current = str(self.folder / MANIFEST_FILE)
             write_json(self.folder / MANIFEST_FILE, manifest.to_json())
@@ -434,34 +285,30 @@ class Converter:
         groups = self.plan.groups
         with make_progress(self.quiet) as progress:
             task = progress.add_task("converting", total=self.plan.output_bytes, layers=f"0/{len(groups)} layers")
+            steps = iter(range(len(self.steps)))
             for done, group in enumerate(groups, start=1):
                 progress.update(task, description=group.label)
                 for step in group.steps:
-                    self._run_step(step)
+                    self._run_step(next(steps), step)
                     progress.advance(task, step.nbytes)
                 progress.update(task, layers=f"{done}/{len(groups)} layers")
                 if delay:
                     time.sleep(delay)
             progress.update(task, description="done")
 
-    def _run_step(self, step: Step) -> None:
+    def _run_step(self, k: int, step: Step) -> None:
+        """Step ``k`` of the plan: its source bytes come from the read-once stream (repack.source_reads)."""
         self.current = self.writer.current_file
+        self.reads.before(k)
         if isinstance(step, CopyTensor):
-            spans, used = source_spans(self.reader, [step.name]), step.nbytes
-            self.hasher.wait_past(spans)  # one sequential read: it is read in order whether cached or not
             for piece in self.reader.iter_raw(step.name):
                 self.writer.write(step.name, piece)
         else:
-            spans, used = source_spans(self.reader, step.sources), step.source_bytes
-            if not self.hasher.wait_past(spans):
-                read_ahead(self.reader, spans, self._scratch)
             pieces = converted_linear(self.plan, self.reader, step).items() if isinstance(step, ConvertLinear) else (
                 stream_stack_step(self.plan, self.reader, step))  # fmt: skip
             for name, piece in pieces:
                 self.writer.write(name, piece)
-        self.hasher.advance(used)
-        used_spans = self._undropped + [(file, start, end) for file, (start, end) in spans.items()]
-        self._undropped = drop_from_cache(self.reader, used_spans, self.hasher)
+        self.reads.after(k)
 
     def _copy_files(self, outputs: dict) -> dict:
         source = self.plan.source
