@@ -451,7 +451,7 @@ class CheckpointReader:
     def serve_from(self, server) -> None:
         """Serve reads from ``server`` where it can: its ``read_into(entry, offset, buffer)`` fills the buffer and
         returns True, or returns False and the file is read (the converter's read-once stream of these same
-        descriptors, repack.source_reads); None: from the files only."""
+        descriptors, repack.streamed_reads); None: from the files only."""
         self._server = server
 
     def fd(self, file: str) -> int:

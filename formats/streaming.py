@@ -22,6 +22,7 @@ import hashlib
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,8 +53,16 @@ class _Block:
 class ReadOnceStream:
     """The files, in order, read once into a ring of ``capacity`` bytes and hashed; see the module docstring."""
 
-    def __init__(self, files: list[StreamedFile], capacity: int, *, block_bytes: int = BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        files: list[StreamedFile],
+        capacity: int,
+        *,
+        block_bytes: int = BLOCK_BYTES,
+        on_hashed: Callable[[int], object] | None = None,
+    ) -> None:
         self.files = files
+        self._on_hashed = on_hashed  # called from the hashing thread with each block's length (progress)
         self._index = {file.name: i for i, file in enumerate(files)}
         self._block_bytes = block_bytes
         self._blocks: list[_Block] = []
@@ -157,6 +166,8 @@ class ReadOnceStream:
                     self._hashed = number + 1
                     self._recycle()
                     self._cond.notify_all()
+                if self._on_hashed is not None:
+                    self._on_hashed(block.length)
             for file in self.files:  # empty files have no block
                 self.results.setdefault(file.name, {"sha256": hashlib.sha256().hexdigest(), "size": 0})
         except BaseException as error:

@@ -2,9 +2,9 @@
 
 Memory: the small tensors (scales, zeros, g_idx) of one stack (of two when a layer's routed and shared stacks
 are written joined, tensor by tensor), one source expert's qweights per stack, the source ring and the tensors
-kept aside of :mod:`repack.source_reads`, and the writer's bounded queue of pieces not yet on disk, whatever the
+kept aside of :mod:`repack.streamed_reads`, and the writer's bounded queue of pieces not yet on disk, whatever the
 model size. Every byte written is hashed as it is written; the source weight files are read once, hashed as
-they are read, and the conversion takes its tensors from those reads (:mod:`repack.source_reads`); other files
+they are read, and the conversion takes its tensors from those reads (:mod:`repack.streamed_reads`); other files
 are hashed while they are copied. OUT appears only complete: the output is built in ``.OUT.tmp-<pid>`` next to
 OUT and published by :mod:`repack.publish` (fsync, then a rename that never replaces another run's OUT, or an
 atomic exchange with --force); on any error or Ctrl-C before that the temp folder is removed, and a temp folder
@@ -75,7 +75,7 @@ from repack.publish import (
     signals_held,
 )
 from repack.source import SourceCheckpoint, resolve_source
-from repack.source_reads import SourceReads
+from repack.streamed_reads import StreamedReads
 
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -261,7 +261,7 @@ class Converter:
         torch.set_num_threads(1)
         reuse_freed_memory()
         with disk_errors(lambda: self.current, self.plan, self.folder):
-            self.reads = SourceReads(self.reader, self.steps)
+            self.reads = StreamedReads(self.reader, [step.sources for step in self.steps])
             try:
                 self._write_weights()
                 self.current = self.writer.current_file
@@ -297,7 +297,7 @@ class Converter:
             progress.update(task, description="done")
 
     def _run_step(self, k: int, step: Step) -> None:
-        """Step ``k`` of the plan: its source bytes come from the read-once stream (repack.source_reads)."""
+        """Step ``k`` of the plan: its source bytes come from the read-once stream (repack.streamed_reads)."""
         self.current = self.writer.current_file
         self.reads.before(k)
         if isinstance(step, CopyTensor):

@@ -1,29 +1,32 @@
-"""Where the converter's source reads come from: one read-once stream of the weight files, laid under the plan.
+"""A checkpoint's tensor reads served from one read-once stream of its weight files, in the order a job needs them.
 
 The stream (:mod:`repack.formats.streaming`) reads every weight file once, front to back, hashes it and keeps a ring
-of recent blocks. :class:`SourceReads` serves the reader's reads (``CheckpointReader.serve_from``) from that ring
-and moves it along: after every read it releases the bytes no tensor of this step or a later one still needs.
+of recent blocks. :class:`StreamedReads` serves the reader's reads (``CheckpointReader.serve_from``) from that ring
+and moves it along: after every read it releases the bytes no tensor still to be read needs. The job says in which
+order it reads (a list of steps, each the tensor names it reads): the converter's plan steps over the source, or
+``repack verify``'s checks over the output and over the source.
 
-Why it keeps some tensors aside: a stack step reads each expert's gate and up weights first and every down weight
-only after all of them (the output's order), while the files hold each expert's three together. Holding the ring
-back at the first unread down weight would need the whole layer in memory; instead each down weight the reads
-passed over is copied aside (a third of a layer's bytes: 0.3 GB for Qwen2-57B, at most ``KEEP_BYTES``) and the
-ring moves on. Small tensors (scales, zeros, ``g_idx``: read for every expert before any weight) never hold the
-ring; the kernel fetches them ahead (``POSIX_FADV_WILLNEED``) and they are read from the page cache where the ring
-has passed them.
+Why it keeps some tensors aside: a job may read a tensor after others that lie behind it in the files. A stack
+step of the converter reads each expert's gate and up weights and only then every down weight (the output's
+order), while the files hold each expert's three together; verify reads an expert's w13 rows and then its w2 rows,
+two thirds of a stack apart. Holding the ring back at the first tensor still needed could take a whole layer in
+memory; instead each large tensor a read passes over is copied aside (at most ``KEEP_BYTES``) and the ring moves on,
+and one that does not fit is read from the file when its turn comes. Small tensors (scales, zeros, ``g_idx``,
+perms: read for every expert of a stack first, or row by row) never hold the ring; the kernel fetches them ahead
+(``POSIX_FADV_WILLNEED``) and they are read from the page cache where the ring has passed them.
 """
 
 from __future__ import annotations
 
 import heapq
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from repack.formats.checkpoint import CheckpointReader, TensorEntry
 from repack.formats.streaming import BLOCK_BYTES, ReadOnceStream, StreamedFile
-from repack.plan import CopyTensor, Step
 
 # Module constants, read when a conversion starts (tests shrink them).
 RING_BYTES = 256 << 20  # how far the stream may read ahead of the oldest byte still needed
@@ -40,30 +43,41 @@ class _Unread:
     done: int = 0
 
 
-class SourceReads:
-    """The stream for one conversion, serving the reader (see the module docstring). Steps in execution order.
+class StreamedReads:
+    """The stream of ``reader``'s files, serving its reads (see the module docstring). ``steps``: the tensor names
+    each step of the job reads, steps in the order they run.
 
     The ring is held at the first byte still needed by any large tensor of any step (plans write a layer's copies
     before its stacks, and files need not agree: a shared expert may lie before the attention tensors); a large
     tensor passed over by a read is kept aside, while ``KEEP_BYTES`` allow, so the ring moves on."""
 
-    def __init__(self, reader: CheckpointReader, steps: list[Step]) -> None:
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        steps: Sequence[Sequence[str]],
+        *,
+        ring: int | None = None,
+        keep: int | None = None,
+        on_hashed: Callable[[int], object] | None = None,
+    ) -> None:
         self.reader = reader
         self.steps = steps
         self._rank = {file: index for index, file in enumerate(reader.files)}
         self._end: Position = (len(reader.files), 0)
-        entries = [reader.entry(name) for step in steps for name in step.sources]
+        entries = [reader.entry(name) for step in steps for name in step]
         self._unread = {entry.name: _Unread(entry) for entry in entries if entry.nbytes >= LARGE_BYTES}
         self._heap = [(self._position(u.entry), name) for name, u in self._unread.items()]  # lazily pruned
         heapq.heapify(self._heap)
         self._kept: dict[str, np.ndarray] = {}
         self._kept_bytes = 0
+        self._keep = KEEP_BYTES if keep is None else keep
         self.served = {"ring": 0, "kept": 0, "file": 0}  # bytes served from each (for tests and benchmarks)
         files = [
             StreamedFile(file, reader.fd(file), reader.file_sizes[file], str(reader.folder / file))
             for file in reader.files
         ]
-        self.stream = ReadOnceStream(files, RING_BYTES, block_bytes=BLOCK_BYTES)
+        ring = RING_BYTES if ring is None else ring
+        self.stream = ReadOnceStream(files, ring, block_bytes=BLOCK_BYTES, on_hashed=on_hashed)
         reader.serve_from(self)
 
     def _position(self, entry: TensorEntry, skip: int = 0) -> Position:
@@ -79,16 +93,14 @@ class SourceReads:
 
     def after(self, k: int) -> None:
         """Step ``k`` is done: nothing it kept aside is needed any more; its small tensors leave the page cache."""
-        for name in self.steps[k].sources:
+        for name in self.steps[k]:
             kept = self._kept.pop(name, None)
             if kept is not None:
                 self._kept_bytes -= kept.nbytes
         self._advise(self.steps[k], os.POSIX_FADV_DONTNEED)
 
-    def _advise(self, step: Step, advice: int) -> None:
-        if isinstance(step, CopyTensor):
-            return
-        for name in step.sources:
+    def _advise(self, step: Sequence[str], advice: int) -> None:
+        for name in step:
             entry = self.reader.entry(name)
             if entry.nbytes < LARGE_BYTES:
                 os.posix_fadvise(self.reader.fd(entry.file), entry.offset, entry.nbytes, advice)
@@ -143,18 +155,25 @@ class SourceReads:
         so the ring need not wait for them. One that does not fit (``KEEP_BYTES``, or larger than the ring: a
         1 GB lm_head stored before the layers it is converted after) stops holding the ring too: it is read from
         the file when its turn comes, once more from the disk, rather than every byte after it."""
+        reading: list[tuple[Position, str]] = []
         while self._first_needed() < end:
             name = self._heap[0][1]
+            if self._unread[name].done:  # being read piece by piece (rows of a stack tensor): its reads go on
+                reading.append(heapq.heappop(self._heap))
+                continue
+            heapq.heappop(self._heap)
             entry = self._unread.pop(name).entry
-            if self._kept_bytes + entry.nbytes > KEEP_BYTES:
+            if self._kept_bytes + entry.nbytes > self._keep:
                 continue
             buffer = np.empty(entry.nbytes, dtype=np.uint8)
             if self.stream.read_into(entry.file, entry.offset, memoryview(buffer)):
                 self._kept[name] = buffer
                 self._kept_bytes += entry.nbytes
+        for item in reading:
+            heapq.heappush(self._heap, item)
 
     def finish(self) -> dict[str, dict]:
-        """Every source weight file's {sha256, size}, once the stream has read and hashed all of it."""
+        """Every weight file's {sha256, size}, once the stream has read and hashed all of it."""
         return self.stream.finish()
 
     def stop(self) -> None:

@@ -1,4 +1,4 @@
-"""The converter's source reads (repack/source_reads.py): with a ring far smaller than a layer, passed-over tensors
+"""The converter's source reads (repack/streamed_reads.py): with a ring far smaller than a layer, passed-over tensors
 kept aside and small tensors from the page cache, the output still rebuilds the source bit for bit, and the
 manifest's source checksums are the files'."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-import repack.source_reads as source_reads
+import repack.streamed_reads as streamed_reads
 from repack.convert import convert
 from repack.formats.constants import MANIFEST_FILE
 from repack.verify import verify
@@ -21,18 +21,18 @@ SERVED: list[dict] = []
 @pytest.fixture
 def tiny_ring(monkeypatch):
     """Blocks of 16 KB, a ring of 256 KB (two experts of the fixtures, whose qweights are 48 KB), tensors from 32 KB
-    up holding it: every path of SourceReads is taken."""
-    monkeypatch.setattr(source_reads, "BLOCK_BYTES", 16 << 10)
-    monkeypatch.setattr(source_reads, "RING_BYTES", 256 << 10)
-    monkeypatch.setattr(source_reads, "LARGE_BYTES", 32 << 10)
-    monkeypatch.setattr(source_reads, "KEEP_BYTES", 1 << 20)
-    real_finish = source_reads.SourceReads.finish
+    up holding it: every path of StreamedReads is taken."""
+    monkeypatch.setattr(streamed_reads, "BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(streamed_reads, "RING_BYTES", 256 << 10)
+    monkeypatch.setattr(streamed_reads, "LARGE_BYTES", 32 << 10)
+    monkeypatch.setattr(streamed_reads, "KEEP_BYTES", 1 << 20)
+    real_finish = streamed_reads.StreamedReads.finish
 
     def finish(self):
         SERVED.append(dict(self.served))
         return real_finish(self)
 
-    monkeypatch.setattr(source_reads.SourceReads, "finish", finish)
+    monkeypatch.setattr(streamed_reads.StreamedReads, "finish", finish)
 
 
 @pytest.mark.parametrize("fixture", ["qwen2moe-g128-sym", "qwen2moe-g32-actorder"])
