@@ -43,6 +43,7 @@ MARKER_PREFIX = "<!-- repack-card"
 _MARKER_PATTERN = re.compile(r"^<!-- repack-card content-sha256=([0-9a-f]{64}) .*-->\n?\Z")
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]()#!|~<>])")  # what could start markup inside a line or table cell
 _AUTOLINK = re.compile(r"://|www\.|@", re.IGNORECASE)  # what GFM's autolink extension starts a link at
+_LINKISH = re.compile(r"://|www\.|@|/|:", re.IGNORECASE)  # in a name: a link, a path or a scheme, never a class
 
 
 def install_command() -> str:
@@ -160,11 +161,11 @@ def _title(repo_id: str, base_model: str | None, manifest: Manifest, source_form
 
 
 def _card_architectures(config: dict) -> list[str]:
-    """config.json's ``architectures`` as the card shows them: class names only (a transformers architecture is a
-    Python identifier); anything else, a URL say, is left out rather than shown as text someone wrote."""
-    names = [name for name in architecture_names(config) if name.isidentifier()]
+    """config.json's ``architectures`` as the card shows them (repack.display), less anything that reads as a link
+    (a URL or an e-mail address: a transformers architecture is a class name), which is left out, not shown."""
+    names = [name for name in architecture_names(config) if not _LINKISH.search(name)]
     model_type = config.get("model_type")
-    return names or [model_type if isinstance(model_type, str) and model_type.isidentifier() else "unknown"]
+    return names or [model_type if isinstance(model_type, str) and not _LINKISH.search(model_type) else "unknown"]
 
 
 def _format_section(manifest: Manifest, config: dict) -> str:

@@ -131,7 +131,7 @@ def one_line_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         raise typer.Exit(130) from None
-    from repack.publish import OUTCOME, reset_outcome
+    from repack.outcome import OUTCOME, reset_outcome
 
     reset_outcome()
     try:

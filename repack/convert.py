@@ -60,13 +60,13 @@ from repack.formats.stacks import (
     QUANT_METHOD,
     iter_pack_stack,
 )
+from repack.outcome import OUTCOME
 from repack.plan import ConvertLinear, CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan, dense_linear_config
 from repack.plan_view import describe_plan
 from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
 from repack.progress import byte_progress
 from repack.provenance import source_record
 from repack.publish import (
-    OUTCOME,
     Janitor,
     WorkFolder,
     publish,
@@ -84,8 +84,6 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 def temp_folder_for(out: Path) -> Path:
     """Hidden, never named like OUT; the PID only keeps names of concurrent runs apart."""
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
-
-
 
 
 def check_free_space(plan: Plan, folder: Path) -> None:

@@ -38,9 +38,9 @@ from repack.formats.errors import RepackError, printable
 from repack.formats.manifest import Manifest, check_file
 from repack.formats.paths import contained_child
 from repack.model_files import SOURCE_README, matches_any
+from repack.outcome import OUTCOME
 from repack.progress import byte_progress
 from repack.provenance import checked_repo_id, source_card_data
-from repack.publish import OUTCOME
 
 CONFIG_NAME = "config.json"
 DEFAULT_BRANCH = "main"

@@ -152,13 +152,22 @@ def test_a_kill_after_the_swap_leaves_no_old_output_behind(tmp_path):
     assert wait_until_clean(tmp_path) == []  # and the old tree did not wait for the next convert
 
 
-def test_force_over_a_symlinked_out_replaces_the_link_and_keeps_what_it_pointed_to(tmp_path):
+def test_force_over_a_symlinked_out_is_refused_before_any_work_and_leaves_nothing(tmp_path):
+    """A link as OUT would be swapped out (the link replaced, its target kept, the link left behind under the temp
+    name for good): refused before converting (repack.preflight), so neither the link nor its target changes."""
     (tmp_path / "elsewhere").mkdir()
     target, first = first_conversion(tmp_path / "elsewhere")
     link = tmp_path / "out"
     link.symlink_to(target, target_is_directory=True)
-    result = run_repack("convert", SYM, link, "--quiet", "--force")
-    assert result.returncode == 0, result.stderr
-    assert link.is_dir() and not link.is_symlink() and conversion_id(link) != first
-    assert conversion_id(target) == first  # not ours to delete
+    error_line(run_repack("convert", SYM, link, "--quiet", "--force"), "is a link", code=1)
+    assert link.is_symlink() and conversion_id(target) == first
     assert wait_until_clean(tmp_path) == ["elsewhere"]
+
+
+def test_a_stale_temp_that_is_a_link_is_unlinked_and_its_target_kept(tmp_path):
+    """What --force over a link left behind before it was refused: the next run removes the link, not its target."""
+    (tmp_path / "elsewhere").mkdir()
+    target, first = first_conversion(tmp_path / "elsewhere")
+    (tmp_path / ".out.tmp-99999").symlink_to(target, target_is_directory=True)
+    convert(str(SYM), tmp_path / "out", quiet=True)
+    assert wait_until_clean(tmp_path) == ["elsewhere"] and conversion_id(target) == first

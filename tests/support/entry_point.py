@@ -29,9 +29,7 @@ def _run(command: list[str], timeout: float, **popen) -> Run:
     return Run(result.returncode, result.stdout, result.stderr, time.monotonic() - start)
 
 
-def run_repack(
-    *args: object, env: dict | None = None, cwd: Path | None = None, timeout: float = 300, **popen
-) -> Run:
+def run_repack(*args: object, env: dict | None = None, cwd: Path | None = None, timeout: float = 300, **popen) -> Run:
     """The installed ``repack ARGS``; ``popen``: more ``subprocess.run`` arguments (``preexec_fn`` for a limit)."""
     return _run([str(REPACK), *map(str, args)], timeout, env=env, cwd=cwd, **popen)
 
