@@ -17,6 +17,7 @@ Torch-free: only ``os``, ``mmap``, ``hashlib``, ``numpy`` (its copies run withou
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import mmap
@@ -190,29 +191,48 @@ class ReadOnceStream:
     def read_into(self, name: str, offset: int, target: memoryview) -> bool:
         """Copy bytes ``offset ..`` of file ``name`` into ``target``, waiting for the I/O thread if need be; False at
         once when they lie behind the ring (released) or beyond it (the caller reads them itself)."""
-        if not len(target):
-            return True
+        pieces = self._held(name, offset, len(target))
+        if pieces is None:
+            return False
+        out = np.frombuffer(target, dtype=np.uint8)
+        for done, array in pieces:
+            np.copyto(out[done : done + len(array)], array)
+        return True
+
+    def compare(self, name: str, offset: int, data: memoryview) -> bool | None:
+        """Whether ``data`` equals bytes ``offset ..`` of file ``name``, compared in the ring (no copy); None when
+        the ring does not hold them (as for :meth:`read_into`)."""
+        pieces = self._held(name, offset, len(data))
+        if pieces is None:
+            return None
+        mine = np.frombuffer(data, dtype=np.uint8)
+        return all(same_memory(mine[done : done + len(array)], array) for done, array in pieces)
+
+    def _held(self, name: str, offset: int, count: int) -> list[tuple[int, np.ndarray]] | None:
+        """Views of the ring holding bytes ``offset .. offset + count`` of file ``name`` (position in the range,
+        bytes), once read; None when they lie behind or beyond the ring. The views are valid until released."""
+        if not count:
+            return []
         index = self._index.get(name)
         if index is None:
-            return False
+            return None
         first = self._first_block[index] + offset // self._block_bytes
-        last = self._first_block[index] + (offset + len(target) - 1) // self._block_bytes
+        last = self._first_block[index] + (offset + count - 1) // self._block_bytes
         with self._cond:
             if first < self._low or last >= self._low + self._slots:
-                return False
+                return None
             while self._read <= last and self._error is None:
                 self._cond.wait()
             self._raise_error()
             slots = [self._slot_of[number] for number in range(first, last + 1)]
-        out = np.frombuffer(target, dtype=np.uint8)
-        done = 0
+        pieces, done = [], 0
         for number, slot in zip(range(first, last + 1), slots, strict=True):
             block = self._blocks[number]
             start = max(offset + done - block.offset, 0)
-            count = min(block.length - start, len(target) - done)
-            np.copyto(out[done : done + count], self._arrays[slot][start : start + count])
-            done += count
-        return True
+            length = min(block.length - start, count - done)
+            pieces.append((done, self._arrays[slot][start : start + length]))
+            done += length
+        return pieces
 
     def release_before(self, name: str, offset: int) -> None:
         """The consumer will never read bytes of the files before ``name``, nor of ``name`` before ``offset``."""
@@ -257,6 +277,30 @@ class ReadOnceStream:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _memcmp():
+    try:
+        function = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return function
+
+
+_MEMCMP = _memcmp()  # ten times numpy's or torch's equality on bytes, and ctypes lets other threads run meanwhile
+
+
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two contiguous uint8 arrays hold the same bytes."""
+    if a.nbytes != b.nbytes:
+        return False
+    if not a.nbytes:
+        return True
+    if _MEMCMP is not None:
+        return _MEMCMP(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
+    return bool(np.array_equal(a, b))
 
 
 def _direct_fd(fd: int) -> int | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from repack.formats.checkpoint import CheckpointReader, TensorEntry
-from repack.formats.streaming import BLOCK_BYTES, ReadOnceStream, StreamedFile
+from repack.formats.streaming import BLOCK_BYTES, ReadOnceStream, StreamedFile, same_memory
 
 # Module constants, read when a conversion starts (tests shrink them).
 RING_BYTES = 256 << 20  # how far the stream may read ahead of the oldest byte still needed
@@ -139,16 +139,34 @@ class StreamedReads:
         else:
             served = self.stream.read_into(entry.file, offset, target)
         self.served["kept" if kept is not None else "ring" if served else "file"] += len(target)
+        self._account(entry, offset, len(target))
+        return served
+
+    def compare(self, entry: TensorEntry, data: memoryview) -> bool | None:
+        """Whether ``data`` equals tensor ``entry``'s bytes, compared where they are held (kept aside or in the ring)
+        without copying them out; None when neither holds them (the caller reads the tensor and compares)."""
+        kept = self._kept.pop(entry.name, None)
+        if kept is not None:
+            self._kept_bytes -= kept.nbytes
+            same = same_memory(np.frombuffer(data, dtype=np.uint8), kept)
+        else:
+            same = self.stream.compare(entry.file, entry.offset, data) if len(data) == entry.nbytes else None
+        if same is not None:
+            self.served["kept" if kept is not None else "ring"] += len(data)
+            self._account(entry, entry.offset, entry.nbytes)
+        return same
+
+    def _account(self, entry: TensorEntry, offset: int, count: int) -> None:
+        """Bytes ``offset .. offset + count`` of ``entry`` are read: move the ring on past what is no longer needed."""
         unread = self._unread.get(entry.name)
         if unread is not None and offset - entry.offset == unread.done:
-            unread.done += len(target)
+            unread.done += count
             if unread.done >= entry.nbytes:
                 del self._unread[entry.name]
                 self._keep_passed(self._position(entry, entry.nbytes))
             else:
                 heapq.heappush(self._heap, (self._position(entry, unread.done), entry.name))
             self._release()
-        return served
 
     def _keep_passed(self, end: Position) -> None:
         """Copy aside the large tensors still to be read that lie wholly before ``end`` (a read passed over them),
