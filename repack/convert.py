@@ -133,8 +133,6 @@ def _is_under(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-
-
 def reuse_freed_memory() -> None:
     """Make glibc serve allocations up to 32 MB from its heap and keep freed heap memory for reuse.
 
