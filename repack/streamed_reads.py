@@ -92,11 +92,14 @@ class StreamedReads:
             self._advise(step, os.POSIX_FADV_WILLNEED)
 
     def after(self, k: int) -> None:
-        """Step ``k`` is done: nothing it kept aside is needed any more; its small tensors leave the page cache."""
+        """Step ``k`` is done: nothing of it is needed any more (what it kept aside, a tensor it named but did not
+        read, which must not hold the ring), and its small tensors leave the page cache."""
         for name in self.steps[k]:
             kept = self._kept.pop(name, None)
             if kept is not None:
                 self._kept_bytes -= kept.nbytes
+            self._unread.pop(name, None)
+        self._release()
         self._advise(self.steps[k], os.POSIX_FADV_DONTNEED)
 
     def _advise(self, step: Sequence[str], advice: int) -> None:
