@@ -26,6 +26,7 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,14 +34,15 @@ import numpy as np
 import torch
 
 from repack.formats.errors import RepackError
+from repack.formats.json_files import CONFIG_MAX_BYTES, INDEX_MAX_BYTES, parse_json, read_bounded
+from repack.formats.manifest import FileRecord
 from repack.formats.paths import check_inside, child_path
 
 from .stacks import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo, StackInfoError
 
 SINGLE_FILE = "model.safetensors"
-from .constants import CONVERSION_ID_KEY  # noqa: E402, F401 - re-exported (the loader and converter use it here)
+from .constants import CONFIG_FILE, CONVERSION_ID_KEY  # noqa: E402, F401 - re-exported (loader, converter use them)
 
-CONFIG_FILE = "config.json"
 READ_CHUNK = 16 << 20  # pieces of a large copied tensor (embeddings, lm_head) read at a time
 STAGING_BYTES = 16 << 20  # aligned write buffer of one output file (O_DIRECT writes of this size)
 QUEUE_BYTES = 256 << 20  # most tensor bytes the writer thread may hold that are not yet on disk
@@ -60,10 +62,19 @@ _DTYPE_CODES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "C64": torch.complex64,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # torch >= 2.7
+    _DTYPE_CODES["F8_E8M0"] = torch.float8_e8m0fnu
 _CODE_OF_DTYPE = {dtype: code for code, dtype in _DTYPE_CODES.items()}
 # Largest header we accept: real checkpoints have a few MB at most; more means a corrupt length field.
 _MAX_HEADER_BYTES = 100 << 20
+# torch keeps sizes, strides and byte counts in int64 and safetensors multiplies dims in usize: a shape whose
+# elements (zero dims counted as one, as strides count them) times the item size pass this is unreadable by both.
+_MAX_TENSOR_BYTES = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -106,47 +117,70 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
-    """One file's parsed header: its tensors, its ``__metadata__`` and the header's length in bytes."""
+    """One file's parsed header: its tensors, its ``__metadata__``, the header's length and its sha256.
+
+    ``sha256`` covers the 8-byte length and the JSON header as stored, which decide every tensor's name, dtype,
+    shape and place: the manifest records it (formats/SPEC.md section 5), so a reader can check a file's structure
+    without hashing its data."""
 
     entries: dict[str, TensorEntry]
     metadata: dict[str, str]
     header_bytes: int
-    identity: tuple[int, int]  # (device, inode) of the file read: a reader can tell if the path was replaced
+    sha256: str
+    file_size: int
 
 
 def parse_safetensors_header(path: Path, max_header_bytes: int = _MAX_HEADER_BYTES) -> SafetensorsHeader:
-    """Parse and check one file's header to the safetensors spec, reading at most ``max_header_bytes`` of it.
-
-    Why so strict: a header a stranger wrote decides what is read and allocated. Offsets must be integers, the
-    tensors' byte ranges must tile the data region exactly (no overlap, no hole, nothing after), shapes must be
-    non-negative integers and names valid UTF-8 (what safetensors itself requires to open the file again).
-    """
+    """Parse and check one file's header to the safetensors spec, reading at most ``max_header_bytes`` of it."""
     try:
-        with path.open("rb") as handle:
-            stat = os.fstat(handle.fileno())
-            size = stat.st_size
-            raw_len = handle.read(8)
-            if len(raw_len) < 8:
-                raise RepackError(f"{path}: truncated safetensors file ({size} bytes); re-download or re-save it")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > max_header_bytes:
-                raise RepackError(
-                    f"{path}: safetensors header of {header_len} bytes is over the {max_header_bytes} bytes left of "
-                    f"the {_MAX_HEADER_BYTES >> 20} MB allowed for all headers of a checkpoint; re-download or "
-                    "re-save it"
-                )
-            if header_len > size - 8:
-                raise RepackError(
-                    f"{path}: corrupt or truncated safetensors header (header length {header_len}, file size "
-                    f"{size}); re-download or re-save it"
-                )
-            header = json.loads(handle.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise RepackError(f"{path}: file not found; re-download the checkpoint") from None
+    try:
+        return read_safetensors_header_at(fd, path, max_header_bytes)
+    finally:
+        os.close(fd)
+
+
+def read_safetensors_header_at(fd: int, path: Path, max_header_bytes: int = _MAX_HEADER_BYTES) -> SafetensorsHeader:
+    """Parse and check the header of the open file ``fd`` (named ``path`` in messages) to the safetensors spec.
+
+    Why so strict: a header a stranger wrote decides what is read and allocated. The JSON must be UTF-8 (the spec;
+    Python's json would also take UTF-16), offsets integers, the tensors' byte ranges must tile the data region
+    exactly (no overlap, no hole, nothing after), shapes non-negative integers that torch and safetensors can
+    hold, names valid UTF-8 (what safetensors itself requires to open the file again).
+    """
+    size = os.fstat(fd).st_size
+    raw_len = _pread_exactly(fd, 8, 0)
+    if len(raw_len) < 8:
+        raise RepackError(f"{path}: truncated safetensors file ({size} bytes); re-download or re-save it")
+    (header_len,) = struct.unpack("<Q", raw_len)
+    if header_len > max_header_bytes:
+        raise RepackError(
+            f"{path}: safetensors header of {header_len} bytes is over the {max_header_bytes} bytes left of "
+            f"the {_MAX_HEADER_BYTES >> 20} MB allowed for all headers of a checkpoint; re-download or re-save it"
+        )
+    if header_len > size - 8:
+        raise RepackError(
+            f"{path}: corrupt or truncated safetensors header (header length {header_len}, file size {size}); "
+            "re-download or re-save it"
+        )
+    raw = _pread_exactly(fd, header_len, 8)
+    digest = hashlib.sha256(raw_len)
+    digest.update(raw)
+    try:
+        if b"\0" in raw:  # valid UTF-8, but no JSON text holds a NUL: UTF-16 or UTF-32, which Python's json reads
+            raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise RepackError(
+            f"{path}: safetensors header is not UTF-8 (UTF-16 or another encoding; the spec requires UTF-8); re-save "
+            "the file"
+        ) from None
+    except (json.JSONDecodeError, ValueError, RecursionError) as error:
         raise RepackError(
             f"{path}: corrupt safetensors header ({_one_line(error)}); re-download or re-save it"
         ) from None
-    except FileNotFoundError:
-        raise RepackError(f"{path}: file not found; re-download the checkpoint") from None
     if not isinstance(header, dict):
         raise RepackError(f"{path}: corrupt safetensors header (not a JSON object); re-download or re-save it")
     metadata = header.pop("__metadata__", None) or {}
@@ -159,6 +193,7 @@ def parse_safetensors_header(path: Path, max_header_bytes: int = _MAX_HEADER_BYT
         dtype, shape, (start, end) = _header_entry(path, name, meta)
         if dtype not in _DTYPE_CODES:
             raise RepackError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        _check_shape(path, name, shape, dtype)
         if end > data_bytes:
             raise RepackError(
                 f"{path}: truncated safetensors file (tensor {name} ends at byte {end} of {data_bytes} data "
@@ -172,7 +207,35 @@ def parse_safetensors_header(path: Path, max_header_bytes: int = _MAX_HEADER_BYT
         entries[name] = TensorEntry(name, path.name, shape, dtype, 8 + header_len + start)
         ranges.append((start, end, name))
     _check_tiling(path, ranges, data_bytes)
-    return SafetensorsHeader(entries, metadata, header_len, (stat.st_dev, stat.st_ino))
+    return SafetensorsHeader(entries, metadata, header_len, digest.hexdigest(), size)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _pread_exactly(fd: int, count: int, offset: int) -> bytes:
+    """Up to ``count`` bytes at ``offset`` (fewer only at the end of the file)."""
+    pieces, done = [], 0
+    while done < count:
+        piece = os.pread(fd, min(count - done, 1 << 30), offset + done)
+        if not piece:
+            break
+        pieces.append(piece)
+        done += len(piece)
+    return b"".join(pieces)
+
+
+def _check_shape(path: Path, name: str, shape: tuple[int, ...], dtype: str) -> None:
+    """Refuse a shape whose strides or byte count overflow int64 (torch) or usize (safetensors), zero dims or not."""
+    extent = _DTYPE_CODES[dtype].itemsize
+    for dim in shape:
+        extent *= max(dim, 1)
+        if extent > _MAX_TENSOR_BYTES:
+            raise RepackError(
+                f"{path}: tensor {name} has shape {list(shape)}, larger than torch and safetensors can hold (its "
+                "strides or bytes overflow 64 bits); re-save the file"
+            )
 
 
 def _is_int(value: object) -> bool:
@@ -222,29 +285,82 @@ def _check_tiling(path: Path, ranges: list[tuple[int, int, str]], data_bytes: in
 
 
 class CheckpointReader:
-    """Lazy view of the tensors of a checkpoint folder (single file or sharded with an index)."""
+    """Lazy view of the tensors of a checkpoint folder (single file or sharded with an index).
+
+    Each weight file is opened once, when its header is parsed, and every later read goes through that same
+    descriptor: the bytes read are always those of the file whose header was checked, even if the folder is
+    replaced meanwhile (a path can be renamed over, an open file cannot; inode numbers are reused, descriptors
+    are not). :meth:`close` (or ``with``) releases them."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.files = self._weight_files()
+        self._fds: dict[str, int] = {}
+        self._server = None  # serves reads before the files do (serve_from)
         self.entries: dict[str, TensorEntry] = {}
         self.metadata: dict[str, dict[str, str]] = {}  # file -> its header's __metadata__
-        self.identities: dict[str, tuple[int, int]] = {}  # file -> (device, inode) its header was read from
-        header_budget = _MAX_HEADER_BYTES  # for all files together: many shards must not multiply it
-        for file in self.files:
-            header = parse_safetensors_header(self.folder / file, header_budget)
-            header_budget -= header.header_bytes
-            self.metadata[file] = header.metadata
-            self.identities[file] = header.identity
-            for name, entry in header.entries.items():
-                if name in self.entries:
-                    raise RepackError(
-                        f"{self.folder / file}: tensor {name} also stored in {self.entries[name].file}; "
-                        "remove the duplicate"
-                    )
-                self.entries[name] = entry
-        self._check_index_matches_headers()
-        self._fds: dict[str, int] = {}
+        self.header_sha256: dict[str, str] = {}  # file -> sha256 of its header as read (SafetensorsHeader.sha256)
+        self.file_sizes: dict[str, int] = {}  # file -> its size when opened
+        self._opened: dict[str, tuple[int, ...]] = {}  # file -> what fstat said when it was opened (see changed())
+        try:
+            self.files = self._weight_files()
+            header_budget = _MAX_HEADER_BYTES  # for all files together: many shards must not multiply it
+            for file in self.files:
+                header = read_safetensors_header_at(self._open(file), self.folder / file, header_budget)
+                header_budget -= header.header_bytes
+                self.metadata[file] = header.metadata
+                self.header_sha256[file] = header.sha256
+                self.file_sizes[file] = header.file_size
+                for name, entry in header.entries.items():
+                    if name in self.entries:
+                        raise RepackError(
+                            f"{self.folder / file}: tensor {name} also stored in {self.entries[name].file}; "
+                            "remove the duplicate"
+                        )
+                    self.entries[name] = entry
+            self._check_index_matches_headers()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _open(self, file: str) -> int:
+        path = self.folder / file
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise RepackError(f"{path}: file not found; re-download the checkpoint") from None
+        except OSError as error:
+            if error.errno in (errno.EMFILE, errno.ENFILE):
+                raise RepackError(
+                    f"{path}: cannot open it, {len(self._fds)} weight files are open already (ulimit -n); raise the "
+                    "limit of open files or merge shards"
+                ) from None
+            raise
+        self._fds[file] = fd
+        self._opened[file] = _file_state(os.fstat(fd))
+        return fd
+
+    def changed(self) -> str | None:
+        """The first weight file that changed since it was opened (written to: its size, mtime or ctime moved), or
+        whose path now names another file (replaced), with how; None when all are as they were.
+
+        Why: a converter that reads a source being rewritten would publish a mix of two versions whose manifest
+        matches neither; ctime cannot be set by a writer, so a write always shows."""
+        for file, fd in self._fds.items():
+            if _file_state(os.fstat(fd)) != self._opened[file]:
+                return f"{self.folder / file} was written to"
+            try:
+                now = os.stat(self.folder / file)
+            except FileNotFoundError:
+                return f"{self.folder / file} was deleted"
+            if (now.st_dev, now.st_ino) != self._opened[file][:2]:
+                return f"{self.folder / file} was replaced by another file"
+        return None
 
     def _weight_files(self) -> list[str]:
         """The safetensors files that hold the weights, from the index when there is one."""
@@ -252,7 +368,7 @@ class CheckpointReader:
             raise RepackError(f"{self.folder}: not a folder; pass a checkpoint folder")
         index_path = self.folder / INDEX_FILE
         if index_path.is_file():
-            self.weight_map = _read_index(index_path)
+            self.weight_map, self.index_record = _read_index(index_path)
             for file in set(self.weight_map.values()):
                 child_path(self.folder, file, str(index_path))  # before anything opens it
             files = sorted(set(self.weight_map.values()))
@@ -263,7 +379,7 @@ class CheckpointReader:
                         f"{index_path}: names shard {file}, which is missing from {self.folder}; re-download it"
                     )
             return files
-        self.weight_map = None
+        self.weight_map, self.index_record = None, None
         if (self.folder / SINGLE_FILE).is_file():
             check_inside(self.folder, self.folder / SINGLE_FILE)
             return [SINGLE_FILE]
@@ -275,6 +391,8 @@ class CheckpointReader:
         raise RepackError(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE}; is this a safetensors checkpoint?")
 
     def _check_index_matches_headers(self) -> None:
+        """The index and the headers list the same tensors in the same files (loaders trust the index: a tensor it
+        does not list is one transformers never loads, so converting it would change the model)."""
         if self.weight_map is None:
             return
         for name, file in self.weight_map.items():
@@ -284,6 +402,12 @@ class CheckpointReader:
                     f"{self.folder / INDEX_FILE}: lists tensor {name} in {file}, but that shard does not hold it; "
                     "re-download the checkpoint"
                 )
+        if len(self.entries) != len(self.weight_map):
+            name = next(name for name in self.entries if name not in self.weight_map)
+            raise RepackError(
+                f"{self.folder / self.entries[name].file}: holds tensor {name}, which {INDEX_FILE} does not list (a "
+                "loader would never read it); re-download the index, or remove the tensor"
+            )
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -324,15 +448,23 @@ class CheckpointReader:
             self._pread_into(entry, memoryview(piece.numpy()), entry.offset + start)
             yield piece
 
-    def _fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(self.folder / file, os.O_RDONLY)
-        return fd
+    def serve_from(self, server) -> None:
+        """Serve reads from ``server`` where it can: its ``read_into(entry, offset, buffer)`` fills the buffer and
+        returns True, or returns False and the file is read (the converter's read-once stream of these same
+        descriptors, repack.streamed_reads); None: from the files only."""
+        self._server = server
+
+    def fd(self, file: str) -> int:
+        """The descriptor ``file``'s header was read through (reads of its data must use it)."""
+        if file not in self._fds:
+            raise RepackError(f"{self.folder / file}: not a weight file of this checkpoint, or the reader is closed")
+        return self._fds[file]
 
     def _pread_into(self, entry: TensorEntry, buffer: memoryview, offset: int) -> None:
+        if self._server is not None and self._server.read_into(entry, offset, buffer):
+            return
         path = self.folder / entry.file
-        fd = self._fd(entry.file)
+        fd = self.fd(entry.file)
         done = 0
         while done < len(buffer):
             count = os.preadv(fd, [buffer[done:]], offset + done)
@@ -349,15 +481,18 @@ class CheckpointReader:
         self._fds.clear()
 
 
-def _read_index(path: Path) -> dict[str, str]:
-    try:
-        data = json.loads(path.read_text())
-        weight_map = data["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
-        raise RepackError(f"{path}: not a valid safetensors index (no weight_map); re-download it") from None
+def _file_state(stat: os.stat_result) -> tuple[int, ...]:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+def _read_index(path: Path) -> tuple[dict[str, str], FileRecord]:
+    """The index's weight_map, and the sha256 and size of the bytes it was parsed from."""
+    raw = read_bounded(path, INDEX_MAX_BYTES, "safetensors index")
+    data = parse_json(raw, path, "re-download it")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
-        raise RepackError(f"{path}: weight_map is not an object; re-download it")
-    return weight_map
+        raise RepackError(f"{path}: not a valid safetensors index (no weight_map object); re-download it")
+    return weight_map, FileRecord(hashlib.sha256(raw).hexdigest(), len(raw))
 
 
 def _one_line(error: BaseException) -> str:
@@ -468,8 +603,12 @@ class HashingFile:
         self._fd = -1
         self._arrays = []
         for view, buffer in zip(self._views, self._buffers, strict=True):
-            view.release()
-            buffer.close()
+            # After a failed write (disk full, ulimit -f) the error's traceback still holds a slice of a buffer, so
+            # it cannot be closed yet: it is unmapped when that slice is freed. The error is what gets reported.
+            with suppress(BufferError):
+                view.release()
+                buffer.close()
+        self._views, self._buffers = [], []
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -580,6 +719,14 @@ class WrittenFile:
     name: str
     sha256: str
     size: int
+    header_sha256: str | None = None  # a safetensors file's header (SafetensorsHeader.sha256)
+
+    def record(self) -> dict:
+        """The manifest's record of this file ({sha256, size[, header_sha256]})."""
+        data = {"sha256": self.sha256, "size": self.size}
+        if self.header_sha256 is not None:
+            data["header_sha256"] = self.header_sha256
+        return data
 
 
 _END = object()  # queue marker: no more pieces
@@ -749,14 +896,16 @@ class ShardedWriter:
     def _open(self, index: int) -> None:
         self._file_index = index
         self._file = HashingFile(self.folder / self.shards[index].file)
-        self._file.write(self.shards[index].header())
+        header = self.shards[index].header()
+        self._header_sha256 = hashlib.sha256(header).hexdigest()
+        self._file.write(header)
 
     def _finish_file(self) -> None:
         if self._file is None:
             return
         file, self._file = self._file, None
         file.close()
-        self.written.append(WrittenFile(file.path.name, file.sha256.hexdigest(), file.size))
+        self.written.append(WrittenFile(file.path.name, file.sha256.hexdigest(), file.size, self._header_sha256))
 
     def close(self) -> list[WrittenFile]:
         """Wait for every byte, check the plan is complete, write the index; returns every file written."""
@@ -796,38 +945,29 @@ class ShardedWriter:
 
 def write_json(path: Path, data: dict) -> WrittenFile:
     """Write a JSON file (indented, trailing newline) and return its hash and size."""
-    encoded = (json.dumps(data, indent=2) + "\n").encode()
+    encoded = (json.dumps(data, indent=2, allow_nan=False) + "\n").encode()  # strict JSON, as we read it
     path.write_bytes(encoded)
     return WrittenFile(path.name, hashlib.sha256(encoded).hexdigest(), len(encoded))
 
 
 def read_config(folder: str | Path) -> dict:
     """config.json of a checkpoint folder, with one-line errors."""
+    return read_config_record(folder)[0]
+
+
+def read_config_record(folder: str | Path) -> tuple[dict, FileRecord]:
+    """config.json of a checkpoint folder, and the sha256 and size of the very bytes parsed (bounded, strict JSON:
+    UTF-8, no NaN), so a manifest records the config the conversion used, not one that changed since."""
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
+        if path.exists() or path.is_symlink():
+            raise RepackError(f"{path}: not a regular file; replace it with the model's config.json")
         raise RepackError(f"{Path(folder)}: no {CONFIG_FILE}; is this a Hugging Face model folder?")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
-        raise RepackError(f"{path}: not valid JSON ({_one_line(error)}); fix or re-download it") from None
+    raw = read_bounded(path, CONFIG_MAX_BYTES, "config.json")
+    config = parse_json(raw, path, "fix or re-download it")
     if not isinstance(config, dict):
         raise RepackError(f"{path}: not a JSON object; fix or re-download it")
-    return config
-
-
-def check_one_conversion(folder: Path, config: dict, reader: CheckpointReader) -> None:
-    """Every shard carries the conversion id of config.json (formats/SPEC.md section 5), or the folder mixes files
-    of two conversions: it was replaced (``repack convert --force``) while being read, or edited by hand."""
-    expected = (config.get("quantization_config") or {}).get(CONVERSION_ID_KEY)
-    if expected is None:  # written before conversion ids
-        return
-    for file, metadata in reader.metadata.items():
-        found = metadata.get(CONVERSION_ID_KEY)
-        if found != expected:
-            raise RepackError(
-                f"{folder / file}: belongs to conversion {found!r} but config.json to {expected!r}: the folder mixes "
-                "two conversions (replaced while loading?); load it again, or re-convert"
-            )
+    return config, FileRecord(hashlib.sha256(raw).hexdigest(), len(raw))
 
 
 def read_repack_config(folder: str | Path) -> tuple[dict, list[StackInfo]]:

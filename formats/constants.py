@@ -11,6 +11,7 @@ QUANT_METHOD = "repack"
 MANIFEST_FILE = "repack_manifest.json"
 CARD_FILE = "README.md"  # the model card: written and owned by `repack push`, not a conversion output
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
 CONVERSION_ID_KEY = "conversion_id"  # in the manifest, config.json's quantization_config, every shard header
 
 # Activation dtypes the kernels take (scales are fp16 in the files; bf16 activations get bf16 scales at load).

@@ -27,20 +27,31 @@ from .constants import (
 )
 from .errors import RepackError
 from .hashing import hash_file
+from .json_files import MANIFEST_MAX_BYTES, parse_json, read_bounded
+from .paths import contained_child
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 SELF_CHECKSUM = "manifest_sha256"  # the manifest's own checksum, over every other field
+HEADER_CHECKSUM = "header_sha256"  # of a safetensors file's 8-byte length and JSON header (SafetensorsHeader.sha256)
+# Files a manifest may list per section: a conversion lists its shards and a dozen other files (DeepSeek-V3: 163
+# shards). A hostile manifest of a million entries would cost minutes and a GB before any file is looked at.
+MAX_FILES = 65_536
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One file's sha256 (hex) and size in bytes."""
+    """One file's sha256 (hex) and size in bytes; for a safetensors output file also its header's sha256, which lets a
+    loader check every tensor's name, dtype, shape and place without hashing the data (formats/SPEC.md section 5)."""
 
     sha256: str
     size: int
+    header_sha256: str | None = None
 
     def to_json(self) -> dict:
-        return {"sha256": self.sha256, "size": self.size}
+        data = {"sha256": self.sha256, "size": self.size}
+        if self.header_sha256 is not None:
+            data[HEADER_CHECKSUM] = self.header_sha256
+        return data
 
 
 @dataclass(frozen=True)
@@ -87,14 +98,11 @@ class Manifest:
         path = folder / MANIFEST_FILE
         if not path.is_file():
             raise RepackError(f"{path} not found: {folder} is not a complete `repack convert` output; convert again")
-        return cls.parse(path.read_bytes(), path)
+        return cls.parse(read_bounded(path, MANIFEST_MAX_BYTES, MANIFEST_FILE), path)
 
     @classmethod
     def parse(cls, raw: bytes, path: Path | str = MANIFEST_FILE) -> Manifest:
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise RepackError(f"{path}: not valid JSON; re-run `repack convert`") from None
+        data = parse_json(raw, path, "re-run `repack convert`")
         if not isinstance(data, dict):
             raise RepackError(f"{path}: not a JSON object; re-run `repack convert`")
         if data.get("format") != FORMAT_NAME:
@@ -109,13 +117,7 @@ class Manifest:
         if not outputs:
             raise RepackError(f"{path}: output_files is empty; re-run `repack convert`")
         sources = _file_records(data, "source_files", path)
-        recorded = data.get(SELF_CHECKSUM)
-        if recorded is not None and recorded != _self_checksum(data):
-            raise RepackError(
-                f"{path}: the manifest was edited after conversion (its {SELF_CHECKSUM} no longer matches its "
-                "content); restore it or re-run `repack convert`"
-            )
-        return cls(
+        manifest = cls(
             format_version=version,
             converter_version=str(data.get("converter_version", "unknown")),
             source=_source_record(data.get("source"), path),
@@ -125,6 +127,20 @@ class Manifest:
             conversion_id=_optional_string(data, CONVERSION_ID_KEY, path),
             raw=bytes(raw),
         )
+        # Last, so a misshapen field is named as such. Required: every manifest repack writes carries it, and one
+        # without is one whose edits nothing would show.
+        recorded = data.get(SELF_CHECKSUM)
+        if recorded is None:
+            raise RepackError(
+                f"{path}: has no {SELF_CHECKSUM} (the manifest's own checksum, which every `repack convert` writes): "
+                "it was edited or not written by repack; re-run `repack convert`"
+            )
+        if recorded != self_checksum(data):
+            raise RepackError(
+                f"{path}: the manifest was edited after conversion (its {SELF_CHECKSUM} no longer matches its "
+                "content); restore it or re-run `repack convert`"
+            )
+        return manifest
 
     def to_json(self) -> dict:
         """The manifest as written, its own checksum last."""
@@ -138,7 +154,7 @@ class Manifest:
             "output_files": {name: record.to_json() for name, record in sorted(self.output_files.items())},
             "created": self.created,
         }
-        data[SELF_CHECKSUM] = _self_checksum(data)
+        data[SELF_CHECKSUM] = self_checksum(data)
         return data
 
     def with_output_file(self, name: str, record: FileRecord) -> Manifest:
@@ -187,8 +203,11 @@ def check_file(
     on_read: Callable[[int], object] | None = None,
 ) -> None:
     """``folder / name`` has the recorded size and sha256, else one line that blames the file: the manifest's
-    own checksum was checked when it was read, so it is the file that changed."""
-    path = folder / name
+    own checksum was checked when it was read, so it is the file that changed.
+
+    A name that is, or passes through, a link out of ``folder`` is refused before anything opens it: ``verify``,
+    ``load`` and ``push`` share this one rule, so nothing outside the folder is ever read or uploaded."""
+    path = contained_child(folder, name, str(folder / MANIFEST_FILE))
     if not path.is_file():
         raise RepackError(f"{path}: {what} listed in {MANIFEST_FILE} is missing; restore it or re-run `repack convert`")
     size = path.stat().st_size
@@ -210,7 +229,8 @@ def _optional_string(data: dict, key: str, path: Path | str) -> str | None:
     return value
 
 
-def _self_checksum(data: dict) -> str:
+def self_checksum(data: dict) -> str:
+    """The ``manifest_sha256`` of a manifest's fields: sha256 of the others as compact JSON with sorted keys."""
     rest = {key: value for key, value in data.items() if key != SELF_CHECKSUM}
     return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -219,6 +239,11 @@ def _file_records(data: dict, key: str, path: Path | str) -> dict[str, FileRecor
     entries = data.get(key, {})
     if not isinstance(entries, dict):
         raise RepackError(f"{path}: {key} is not an object of file name -> sha256 and size; re-run `repack convert`")
+    if len(entries) > MAX_FILES:
+        raise RepackError(
+            f"{path}: {key} lists {len(entries)} files, more than the {MAX_FILES} a conversion writes; the manifest is "
+            "corrupt, re-run `repack convert`"
+        )
     records = {}
     for name, entry in entries.items():
         _check_relative_name(name, key, path)
@@ -229,7 +254,10 @@ def _file_records(data: dict, key: str, path: Path | str) -> dict[str, FileRecor
             raise RepackError(f"{path}: {key} entry {name!r} has no valid sha256 (64 hex digits); re-convert")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise RepackError(f"{path}: {key} entry {name!r} has no valid size in bytes; re-convert")
-        records[name] = FileRecord(sha256, size)
+        header = entry.get(HEADER_CHECKSUM)
+        if header is not None and (not isinstance(header, str) or not _SHA256.match(header)):
+            raise RepackError(f"{path}: {key} entry {name!r} has an invalid {HEADER_CHECKSUM}; re-convert")
+        records[name] = FileRecord(sha256, size, header)
     return records
 
 

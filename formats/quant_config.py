@@ -18,6 +18,15 @@ import regex
 from repack.formats.errors import RepackError
 from repack.formats.gptq import CHECKPOINT_FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, GptqScheme
 
+try:  # Python's own regex parser: a private module, stable in shape since 3.5 (sre_parse before 3.11)
+    from re import _constants as _sre_constants
+    from re import _parser as _sre_parse
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _sre_constants
+    import sre_parse as _sre_parse
+
+_REPEATS = {_sre_constants.MAX_REPEAT, _sre_constants.MIN_REPEAT, getattr(_sre_constants, "POSSESSIVE_REPEAT", None)}
+
 _LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
 # A converted checkpoint's non-expert GPTQ linears: copied from a GPTQ source (its own config describes them), or
 # converted from another source format into GPTQ tensors with v2 zero points, described by this key's config.
@@ -25,6 +34,10 @@ DENSE_CONFIG_KEY = "linear_quantization_config"
 DENSE_LINEAR_FORMAT = "gptq_v2"
 SOURCE_CONFIG_KEY = "source_quantization_config"
 REGEX_SECONDS = 5.0
+# What all ``dynamic`` regexes of a config may cost to compile, in pattern elements after counted repeats are
+# expanded (the regex module compiles `a{1000}` as a thousand copies: about 250 bytes each, measured). Real rules
+# (`.*\.experts\.\d+\..*`) are tens; this is a few MB.
+REGEX_COMPILE_UNITS = 20_000
 
 
 @dataclass
@@ -152,6 +165,7 @@ def _dynamic_rules(dynamic: object, where: str) -> list[DynamicRule]:
             f"{where}: dynamic must be an object of regex -> overrides, not a {type(dynamic).__name__}; fix it"
         )
     rules = []
+    budget = REGEX_COMPILE_UNITS
     for key, overrides in dynamic.items():
         quantized = not key.startswith("-:")
         if quantized and not isinstance(overrides, dict | None):
@@ -159,12 +173,46 @@ def _dynamic_rules(dynamic: object, where: str) -> list[DynamicRule]:
                 f"{where}: dynamic rule {key!r} must map to an object of overrides, not a {type(overrides).__name__}"
             )
         pattern = key[2:] if key.startswith(("-:", "+:")) else key
+        budget -= _compile_units(pattern, key, where)
+        if budget < 0:
+            raise RepackError(
+                f"{where}: dynamic rule {key!r} makes the dynamic regexes too large to compile (over "
+                f"{REGEX_COMPILE_UNITS} elements with counted repeats expanded); simplify the regex"
+            )
         try:
             compiled = regex.compile(pattern)
         except (regex.error, ValueError, TypeError) as error:
             raise RepackError(f"{where}: dynamic rule {key!r} is not a valid regex ({error})") from None
         rules.append(DynamicRule(quantized, compiled, dict(overrides or {}) if quantized else {}))
     return rules
+
+
+def _compile_units(pattern: str, key: str, where: str) -> int:
+    """Elements of ``pattern`` once its counted repeats are expanded, from Python's own regex parser (which builds
+    a tree, not the expansion): what compiling it costs, known before compiling it. GPTQModel matches ``dynamic``
+    with Python's ``re``, so a pattern that ``re`` cannot parse is no valid rule either."""
+    try:
+        parsed = _sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError, TypeError) as error:
+        raise RepackError(f"{where}: dynamic rule {key!r} is not a valid regex ({error})") from None
+    return _units(parsed)
+
+
+def _units(node: object) -> int:
+    """Expanded size of a parsed pattern (``sre_parse.SubPattern``), or of anything inside one that holds them."""
+    if isinstance(node, _sre_parse.SubPattern):
+        return max(1, sum(_item_units(op, argument) for op, argument in node))
+    if isinstance(node, (list, tuple)):
+        return sum(_units(item) for item in node)
+    return 0
+
+
+def _item_units(op: object, argument: object) -> int:
+    if op in _REPEATS:
+        low, high, body = argument
+        copies = low + 1 if high == _sre_constants.MAXREPEAT else high
+        return max(copies, 1) * _units(body)
+    return 1 + _units(argument)
 
 
 def _block_modules(block: object, where: str) -> list[str] | None:

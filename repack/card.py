@@ -42,6 +42,8 @@ SOURCE_CARD_FIELDS = ("license", "license_name", "license_link", "language")  # 
 MARKER_PREFIX = "<!-- repack-card"
 _MARKER_PATTERN = re.compile(r"^<!-- repack-card content-sha256=([0-9a-f]{64}) .*-->\n?\Z")
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]()#!|~<>])")  # what could start markup inside a line or table cell
+_AUTOLINK = re.compile(r"://|www\.|@", re.IGNORECASE)  # what GFM's autolink extension starts a link at
+_LINKISH = re.compile(r"://|www\.|@|/|:", re.IGNORECASE)  # in a name: a link, a path or a scheme, never a class
 
 
 def install_command() -> str:
@@ -102,9 +104,12 @@ def is_generated_card(text: str) -> bool:
 
 
 def escape_text(value: object) -> str:
-    """Untrusted text as inert markdown: HTML escaped, markdown punctuation backslashed, on one line."""
+    """Untrusted text as inert markdown: HTML escaped, markdown punctuation backslashed, on one line, and no bare URL
+    or e-mail address left for the Hub's renderer to turn into a link (GFM autolinks ``https://``, ``www.``, ``@``)."""
     text = printable(" ".join(str(value).split()))  # a file name's undecodable bytes as \udcff, not a crash
-    return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=False))
+    escaped = _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=False))
+    # a backslash before punctuation is markdown's escape: it renders as the character alone, and no link starts
+    return _AUTOLINK.sub(lambda match: re.sub(r"([:/.@])", r"\\\1", match[0]), escaped)
 
 
 def source_format_name(config: dict) -> tuple[str, str]:
@@ -155,12 +160,20 @@ def _title(repo_id: str, base_model: str | None, manifest: Manifest, source_form
     )
 
 
+def _card_architectures(config: dict) -> list[str]:
+    """config.json's ``architectures`` as the card shows them (repack.display), less anything that reads as a link
+    (a URL or an e-mail address: a transformers architecture is a class name), which is left out, not shown."""
+    names = [name for name in architecture_names(config) if not _LINKISH.search(name)]
+    model_type = config.get("model_type")
+    return names or [model_type if isinstance(model_type, str) and not _LINKISH.search(model_type) else "unknown"]
+
+
 def _format_section(manifest: Manifest, config: dict) -> str:
     quant = config.get("quantization_config") or {}
     stacks = [stack for stack in quant.get("stacks") or [] if isinstance(stack, dict)]
     routed = [stack for stack in stacks if stack.get("kind") == "routed"]
     shared = [stack for stack in stacks if stack.get("kind") == "shared"]
-    architectures = architecture_names(config)
+    architectures = _card_architectures(config)
     rows = [
         ("format", f"{FORMAT_NAME} v{manifest.format_version}"),
         ("converter", f"moe-repack {escape_text(manifest.converter_version)}"),

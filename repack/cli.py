@@ -131,6 +131,9 @@ def one_line_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         raise typer.Exit(130) from None
+    from repack.outcome import OUTCOME, reset_outcome
+
+    reset_outcome()
     try:
         yield
     except RepackError as error:
@@ -140,7 +143,7 @@ def one_line_errors() -> Iterator[None]:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
+        print(OUTCOME.interrupted_line(), file=sys.stderr)  # true in every window: what was published, what was not
         raise typer.Exit(130) from None
     except OSError as error:
         where = f" ({printable(str(error.filename))})" if error.filename else ""

@@ -1,13 +1,14 @@
 """Execute a :class:`~repack.plan.Plan`: stream layer by layer into a temp folder, then rename it to OUT.
 
 Memory: the small tensors (scales, zeros, g_idx) of one stack (of two when a layer's routed and shared stacks
-are written joined, tensor by tensor), one source expert's qweights per stack, and the writer's bounded queue
-of pieces not yet on disk, whatever the model size. Every byte written is hashed as it is written; source
-weight files are hashed by a background thread while the conversion reads them (the page cache serves both),
-other files are hashed while they are copied. OUT appears only complete: the
-output is built in ``.OUT.tmp-<pid>`` next to OUT and published by :mod:`repack.publish` (fsync, then a rename
-that never replaces another run's OUT, or an atomic exchange with --force); on any error or Ctrl-C before that
-the temp folder is removed, and a temp folder left by a killed run is never named like OUT.
+are written joined, tensor by tensor), one source expert's qweights per stack, the source ring and the tensors
+kept aside of :mod:`repack.streamed_reads`, and the writer's bounded queue of pieces not yet on disk, whatever the
+model size. Every byte written is hashed as it is written; the source weight files are read once, hashed as
+they are read, and the conversion takes its tensors from those reads (:mod:`repack.streamed_reads`); other files
+are hashed while they are copied. OUT appears only complete: the output is built in ``.OUT.tmp-<pid>`` next to
+OUT and published by :mod:`repack.publish` (fsync, then a rename that never replaces another run's OUT, or an
+atomic exchange with --force); on any error or Ctrl-C before that the temp folder is removed, and a temp folder
+left by a killed run is never named like OUT (its janitor removes it).
 """
 
 from __future__ import annotations
@@ -51,39 +52,38 @@ from repack.formats.manifest import Manifest, SourceRecord, new_manifest
 from repack.formats.paths import check_inside
 from repack.formats.quant_config import DENSE_CONFIG_KEY, DENSE_LINEAR_FORMAT, SOURCE_CONFIG_KEY
 from repack.formats.sources.gptq import gptq_tensors
-from repack.formats.stacks import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, QUANT_METHOD, iter_pack_stack
+from repack.formats.stacks import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    QUANT_METHOD,
+    iter_pack_stack,
+)
+from repack.outcome import OUTCOME
 from repack.plan import ConvertLinear, CopyTensor, JoinedStacks, PackStack, Plan, Step, build_plan, dense_linear_config
 from repack.plan_view import describe_plan
 from repack.preflight import check_output_target, check_readable, missing_parents, parse_size, remove_created, shown
 from repack.progress import byte_progress
 from repack.provenance import source_record
-from repack.publish import WorkFolder, is_abandoned, publish, remove_tree, signals_held
+from repack.publish import (
+    Janitor,
+    WorkFolder,
+    publish,
+    remove_stale_temps,
+    remove_tree,
+    signals_held,
+)
 from repack.source import SourceCheckpoint, resolve_source
+from repack.streamed_reads import StreamedReads
 
 SLOW_LAYER_ENV = "REPACK_TEST_SLOW_LAYER_SECONDS"  # test hook: sleep per layer so tests can interrupt
-HASHER_LEAD_BYTES = 2 * 10**9  # how far the source hasher may read ahead of the converter
-PREFETCH_BYTES = 64 << 20  # how far ahead of its reads the source hasher asks the kernel to read
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
 def temp_folder_for(out: Path) -> Path:
     """Hidden, never named like OUT; the PID only keeps names of concurrent runs apart."""
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
-
-
-def remove_stale_temps(out: Path) -> None:
-    """Clean up after killed runs: delete their ``.OUT.tmp-<pid>`` folders, and put back a previous OUT that a
-    ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing. A folder is stale when no live run
-    holds its lock (repack.publish.WorkFolder), whatever its PID says (PIDs are reused)."""
-    for path in out.parent.glob(f".{out.name}.tmp-*"):
-        if is_abandoned(path):
-            shutil.rmtree(path, ignore_errors=True)
-    for path in out.parent.glob(f".{out.name}.old-*"):
-        if is_abandoned(path):
-            if out.exists():
-                shutil.rmtree(path, ignore_errors=True)  # the new OUT was published; this is the leftover
-            else:
-                path.rename(out)
 
 
 def check_free_space(plan: Plan, folder: Path) -> None:
@@ -113,8 +113,17 @@ def disk_errors(target: Callable[[], str], plan: Plan, folder: Path) -> Iterator
             raise RepackError(
                 f"cannot read {shown(os.fsdecode(error.filename))}: {error.strerror}; make the source readable"
             ) from None
+        if error.errno == errno.EFBIG:
+            raise RepackError(
+                f"cannot write {target()}: larger than this process may write (ulimit -f, or the filesystem's file "
+                "size limit); raise the limit or pass a smaller --shard-size"
+            ) from None
         if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise RepackError(f"cannot write {target()}: {error.strerror}; choose a writable output folder") from None
+        if error.errno in (errno.EDQUOT, errno.EIO):
+            raise RepackError(
+                f"cannot write {target()}: {error.strerror}; free some space or choose another output folder"
+            ) from None
         raise
 
 
@@ -122,110 +131,6 @@ def _is_under(path: Path, folder: Path) -> bool:
     """Whether ``path`` (an error's file) lies in ``folder`` (the work folder): a write, not a read, failed."""
     path, folder = path.absolute(), folder.absolute()
     return path == folder or folder in path.parents
-
-
-class SourceHasher:
-    """sha256 of the source weight files, computed by a background thread while the conversion runs.
-
-    It is the one reader of the source from disk: it reads each file sequentially into one reused buffer,
-    asking the kernel for the next ``PREFETCH_BYTES`` before it hashes what it has (so the disk keeps
-    reading while it hashes), and runs ahead of the converter, which waits (:meth:`wait_past`) until the
-    bytes of a stack are hashed and then reads them from the page cache. It stays at most ``lead_bytes``
-    ahead of the converter (:meth:`advance`): a hasher that races through a 30 GB checkpoint fills the page
-    cache, evicts what the converter has yet to read and makes the kernel reclaim memory on every read
-    (measured: sys time 1.6x the wall). :meth:`passed` tells the converter which bytes it may drop from the
-    cache once it has used them.
-    """
-
-    def __init__(self, folder: Path, files: list[str], lead_bytes: int = HASHER_LEAD_BYTES) -> None:
-        self.results: dict[str, dict] = {}
-        self._error: BaseException | None = None
-        self._stop = False
-        self._lead = lead_bytes
-        self._allowed = lead_bytes
-        self._hashed = 0
-        self._starts: dict[str, int] = {}  # file -> bytes of the files hashed before it
-        total = 0
-        for name in files:
-            self._starts[name] = total
-            total += (folder / name).stat().st_size
-        self._position: tuple[str, int] = ("", 0)  # file being hashed, bytes of it hashed
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, args=(folder, files), daemon=True)
-        self._thread.start()
-
-    def _run(self, folder: Path, files: list[str]) -> None:
-        try:
-            buffer = bytearray(HASH_CHUNK)
-            view = memoryview(buffer)
-            for name in files:
-                digest, size = hashlib.sha256(), 0
-                with (folder / name).open("rb", buffering=0) as handle:
-                    while True:
-                        with self._cond:
-                            while self._hashed > self._allowed and not self._stop:
-                                self._cond.wait()
-                            if self._stop:
-                                return
-                        count = handle.readinto(view)
-                        if not count:
-                            break
-                        os.posix_fadvise(handle.fileno(), size + count, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-                        digest.update(view[:count])
-                        with self._cond:
-                            self._hashed += count
-                            self._position = (name, size + count)
-                            self._cond.notify_all()
-                        size += count
-                self.results[name] = {"sha256": digest.hexdigest(), "size": size}
-        except BaseException as error:  # reported in join(), on the main thread
-            self._error = error
-        finally:
-            with self._cond:
-                self._stop = True
-                self._cond.notify_all()
-
-    def advance(self, nbytes: float) -> None:
-        """The converter has used ``nbytes`` more source bytes: let the hasher read that much further."""
-        with self._cond:
-            self._allowed += nbytes
-            self._cond.notify_all()
-
-    def wait_past(self, spans: dict[str, tuple[int, int]]) -> bool:
-        """Wait until the hasher has read every span (file -> (start, end)), so reading them hits the page cache.
-
-        False at once, without waiting, when a span is not within ``lead_bytes`` of where the hasher is (a
-        source whose tensors are not stored in conversion order), or when the hasher has stopped; the caller
-        then reads the spans itself."""
-        if any(file not in self._starts for file in spans):
-            return False
-        target = max(self._starts[file] + end for file, (_, end) in spans.items())
-        with self._cond:
-            if target - self._hashed > self._lead:
-                return False
-            self._allowed = max(self._allowed, target)
-            self._cond.notify_all()
-            while self._hashed < target and not self._stop:
-                self._cond.wait()
-            return self._hashed >= target
-
-    def passed(self, file: str, end: int) -> bool:
-        """Whether the bytes of ``file`` before ``end`` are hashed (so the page cache may drop them)."""
-        with self._cond:
-            current, offset = self._position
-        return file in self.results or (file == current and offset >= end)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-
-    def join(self) -> dict[str, dict]:
-        self.advance(float("inf"))
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self.results
 
 
 def reuse_freed_memory() -> None:
@@ -242,57 +147,6 @@ def reuse_freed_memory() -> None:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
     libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
-
-
-def source_spans(reader: CheckpointReader, names: list[str]) -> dict[str, tuple[int, int]]:
-    """file -> (first byte, end) of the region that holds the tensors ``names``."""
-    spans: dict[str, tuple[int, int]] = {}
-    for name in names:
-        entry = reader.entry(name)
-        start, end = spans.get(entry.file, (entry.offset, entry.offset + entry.nbytes))
-        spans[entry.file] = (min(start, entry.offset), max(end, entry.offset + entry.nbytes))
-    return spans
-
-
-def read_ahead(folder: Path, spans: dict[str, tuple[int, int]], buffer: memoryview) -> None:
-    """Read each span once, sequentially, so the scattered reads that follow hit the page cache.
-
-    Why: a stack's sources are read in pack order (gate and up of every expert, then every down); when
-    the hasher has not read them yet that is thousands of scattered cold reads, measured at 4x the kernel
-    time of one sequential pass over the same bytes. When the bytes are cached this costs one copy.
-    """
-    for file, (start, end) in spans.items():
-        fd = os.open(folder / file, os.O_RDONLY)
-        try:
-            for offset in range(start, end, len(buffer)):
-                if not os.preadv(fd, [buffer[: min(len(buffer), end - offset)]], offset):
-                    break
-        finally:
-            os.close(fd)
-
-
-Span = tuple[str, int, int]  # (source file, first byte, end)
-
-
-def drop_from_cache(folder: Path, spans: list[Span], hasher: SourceHasher) -> list[Span]:
-    """Tell the kernel the converter is done with these source bytes (file, start, end) once the hasher is too;
-    returns the spans the hasher has not read yet, to drop later.
-
-    Keeping the page cache small keeps every later read free of memory reclaim; the output never enters
-    the cache (O_DIRECT), so the source is all there is to drop. Only the converter drops source bytes: it
-    alone knows which bytes it has used, whatever order the plan reads the files in.
-    """
-    pending = []
-    for file, start, end in spans:
-        if not hasher.passed(file, end):
-            pending.append((file, start, end))
-            continue
-        fd = os.open(folder / file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return pending
 
 
 def stream_pack_stack(plan: Plan, reader: CheckpointReader, step: PackStack) -> Iterator[tuple[str, torch.Tensor]]:
@@ -395,8 +249,7 @@ class Converter:
         self.writer = ShardedWriter(folder, plan.output_tensors(), shard_bytes, metadata=metadata)
         self.quiet = quiet
         self.current = str(folder)
-        self._scratch = memoryview(bytearray(HASH_CHUNK))
-        self._undropped: list[Span] = []  # source spans used before the hasher read them
+        self.steps = [step for group in plan.groups for step in group.steps]
 
     def run(self) -> Manifest:
         # One intra-op thread: the tensor ops are small per expert, and the hashing and writer threads
@@ -404,19 +257,20 @@ class Converter:
         torch.set_num_threads(1)
         reuse_freed_memory()
         with disk_errors(lambda: self.current, self.plan, self.folder):
-            self.hasher = SourceHasher(self.plan.source.path, self.plan.weight_files)
+            self.reads = StreamedReads(self.reader, [step.sources for step in self.steps])
             try:
                 self._write_weights()
                 self.current = self.writer.current_file
-                outputs = {f.name: {"sha256": f.sha256, "size": f.size} for f in self.writer.close()}
+                outputs = {f.name: f.record() for f in self.writer.close()}
                 sources = self._copy_files(outputs)
-                sources.update(self.hasher.join())
+                sources.update(self.reads.finish())
+                self._check_source_unchanged()
             except BaseException:
                 self.current = self.writer.current_file
                 self.writer.abort()
                 raise
             finally:
-                self.hasher.stop()
+                self.reads.stop()
             manifest = self._manifest(sources, outputs)
             self.current = str(self.folder / MANIFEST_FILE)
             write_json(self.folder / MANIFEST_FILE, manifest.to_json())
@@ -427,35 +281,30 @@ class Converter:
         groups = self.plan.groups
         with make_progress(self.quiet) as progress:
             task = progress.add_task("converting", total=self.plan.output_bytes, layers=f"0/{len(groups)} layers")
+            steps = iter(range(len(self.steps)))
             for done, group in enumerate(groups, start=1):
                 progress.update(task, description=group.label)
                 for step in group.steps:
-                    self._run_step(step)
+                    self._run_step(next(steps), step)
                     progress.advance(task, step.nbytes)
                 progress.update(task, layers=f"{done}/{len(groups)} layers")
                 if delay:
                     time.sleep(delay)
             progress.update(task, description="done")
 
-    def _run_step(self, step: Step) -> None:
+    def _run_step(self, k: int, step: Step) -> None:
+        """Step ``k`` of the plan: its source bytes come from the read-once stream (repack.streamed_reads)."""
         self.current = self.writer.current_file
-        folder = self.plan.source.path
+        self.reads.before(k)
         if isinstance(step, CopyTensor):
-            spans, used = source_spans(self.reader, [step.name]), step.nbytes
-            self.hasher.wait_past(spans)  # one sequential read: it is read in order whether cached or not
             for piece in self.reader.iter_raw(step.name):
                 self.writer.write(step.name, piece)
         else:
-            spans, used = source_spans(self.reader, step.sources), step.source_bytes
-            if not self.hasher.wait_past(spans):
-                read_ahead(folder, spans, self._scratch)
             pieces = converted_linear(self.plan, self.reader, step).items() if isinstance(step, ConvertLinear) else (
                 stream_stack_step(self.plan, self.reader, step))  # fmt: skip
             for name, piece in pieces:
                 self.writer.write(name, piece)
-        self.hasher.advance(used)
-        used_spans = self._undropped + [(file, start, end) for file, (start, end) in spans.items()]
-        self._undropped = drop_from_cache(folder, used_spans, self.hasher)
+        self.reads.after(k)
 
     def _copy_files(self, outputs: dict) -> dict:
         source = self.plan.source
@@ -467,14 +316,31 @@ class Converter:
             sources[copied.source] = outputs[copied.output] = record
         self.current = str(self.folder / CONFIG_FILE)
         written: WrittenFile = write_json(self.folder / CONFIG_FILE, output_config(self.plan, self.conversion_id))
-        outputs[CONFIG_FILE] = {"sha256": written.sha256, "size": written.size}
-        sha, size = hash_file(source.path / CONFIG_FILE)
-        sources[CONFIG_FILE] = {"sha256": sha, "size": size}
-        index = source.path / "model.safetensors.index.json"
-        if index.is_file():
-            sha, size = hash_file(index)
-            sources[index.name] = {"sha256": sha, "size": size}
+        outputs[CONFIG_FILE] = written.record()
+        # The records of the bytes the plan was built from, not of the files as they are now (_check_source_unchanged).
+        sources[CONFIG_FILE] = source.config_record.to_json()
+        if self.reader.index_record is not None:
+            sources[INDEX_FILE] = self.reader.index_record.to_json()
         return sources
+
+    def _check_source_unchanged(self) -> None:
+        """Refuse to publish when a source file changed while it was read: the output would be a mix of two versions
+        and the manifest's source checksums would match neither (only ``verify --source`` would tell, later)."""
+        source = self.plan.source
+        changed = self.reader.changed()
+        for name, record in ((CONFIG_FILE, source.config_record), (INDEX_FILE, self.reader.index_record)):
+            path = source.path / name
+            if changed is None and record is not None:
+                try:
+                    if hash_file(path)[0] != record.sha256:
+                        changed = f"{path} was written to"
+                except OSError:
+                    changed = f"{path} can no longer be read"
+        if changed is not None:
+            raise RepackError(
+                f"the source changed while converting ({changed}); nothing was written to the output folder: re-run "
+                "once the source is complete"
+            )
 
     def _manifest(self, sources: dict, outputs: dict) -> Manifest:
         return new_manifest(
@@ -542,6 +408,7 @@ def convert(
     created = missing_parents(out)  # removed again unless the run publishes OUT
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        janitor = Janitor(out)  # cleans up after this run even if it is killed
         work = WorkFolder(temp_folder_for(out))
     except OSError as error:
         remove_created(created)
@@ -561,16 +428,15 @@ def convert(
                         "replace it"
                     ) from None
                 published = True
+                OUTCOME.published = out
             remove_tree(old)
     except KeyboardInterrupt:
         if not published:
             shutil.rmtree(temp, ignore_errors=True)
             remove_created(created)
             raise
-        remove_tree(old)
-        raise InterruptedAfterPublish(
-            f"interrupted after {out} was complete: it holds the new output (verify it with `repack verify {out}`)"
-        ) from None
+        # What is left of the old tree is the janitor's (it is unlocked): a second Ctrl-C has nothing to cut short.
+        raise InterruptedAfterPublish(OUTCOME.interrupted_line().removeprefix("error: ")) from None
     except BaseException:
         if not published:
             shutil.rmtree(temp, ignore_errors=True)
@@ -578,4 +444,6 @@ def convert(
         raise
     finally:
         work.close()
+        reader.close()
+        janitor.finish()
     return manifest

@@ -15,7 +15,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from repack.formats.errors import RepackError
-from repack.formats.families import EXPERTS_MODULE, GATE_UP_DOWN, SUPPORTED, Family, family_for, num_routed_experts
+from repack.formats.families import (
+    EXPERTS_MODULE,
+    GATE_UP_DOWN,
+    ROUTER_MODULE,
+    SUPPORTED,
+    Family,
+    family_for,
+    num_routed_experts,
+)
 from repack.formats.sources import SourceFormat
 
 _EXPERT_TENSOR = re.compile(
@@ -57,9 +65,16 @@ def check_layout_keys(config: dict, where: str) -> None:
         )
 
 
-def layers_in_weights(names: Iterable[str]) -> int:
-    """1 + the highest decoder layer index any tensor name holds (0 when none does)."""
-    return max((int(match[1]) + 1 for name in names if (match := _LAYER_OF_NAME.search(name))), default=0)
+def first_layer_without_weights(names: Iterable[str], num_layers: int) -> int | None:
+    """The lowest decoder layer index below ``num_layers`` that no tensor name holds, or None when all have weights.
+
+    Why indices, not the highest one: a count from config.json sizes loops, and one zero-byte tensor named
+    ``model.layers.999999999.pad`` would otherwise back a billion layers. Every real decoder layer has tensors
+    (its norms at least), so the layers a config may declare are the ones the names hold, each of them."""
+    held = {index for name in names if (match := _LAYER_OF_NAME.search(name)) and (index := int(match[1])) < num_layers}
+    if len(held) == num_layers:
+        return None
+    return next(index for index, layer in enumerate(sorted(held) + [num_layers]) if index != layer)
 
 
 @dataclass
@@ -107,11 +122,11 @@ def find_moe_layers(
     check_layout_keys(config, config_file)
     num_experts = num_routed_experts(config)
     num_layers = int(config.get("num_hidden_layers") or 0)
-    present = layers_in_weights(names)
-    if num_layers > present:  # a count from the config never sizes a loop the weights cannot back
+    missing = first_layer_without_weights(names, num_layers)
+    if missing is not None:  # a count from the config never sizes a loop the weights cannot back
         raise RepackError(
-            f"{config_file}: num_hidden_layers is {num_layers} but the weights hold {present} layers; fix config.json "
-            "or re-download the weights"
+            f"{config_file}: num_hidden_layers is {num_layers} but the weights hold no tensor of layer {missing}; fix "
+            "config.json or re-download the weights"
         )
     sparse = [i for i in range(num_layers) if num_experts and family.is_sparse(config, i)]
     if not sparse or not found:
@@ -135,10 +150,28 @@ def find_moe_layers(
             _raise_extra(found[other], other, "a second MoE block naming in the same layer")
     for block, experts in found.items():
         _raise_extra(experts, block, "config.json says this layer is dense")
+    _check_block_modules(family, {layer.block for layer in layers}, names, config_file)
     for layer in layers:
         if family.shared_expert:
             layer.shared = _shared_triple(family, layer, names, source_format)
     return layers
+
+
+_BLOCK_CHILD = re.compile(r"^(?P<block>.+\.\d+\.[^.]+)\.(?P<child>[^.]+)\.")
+
+
+def _check_block_modules(family: Family, blocks: set[str], names: set[str], config_file: str) -> None:
+    """Every tensor inside a MoE block belongs to a module the family's block has (experts, router gate, its shared
+    expert and that expert's gate): a Qwen2-MoE checkpoint whose config says ``mixtral`` would otherwise convert,
+    its shared expert copied through as tensors that the Mixtral model never reads."""
+    allowed = {EXPERTS_MODULE, ROUTER_MODULE, family.shared_expert, family.shared_expert_gate} - {None}
+    for name in sorted(names):
+        match = _BLOCK_CHILD.match(name)
+        if match and match["block"] in blocks and match["child"] not in allowed:
+            raise RepackError(
+                f"{config_file}: tensor {name} is in the MoE block {match['block']}, but a {family.name} block has no "
+                f"{match['child']} (only {', '.join(sorted(allowed))}); is model_type right? Fix config.json"
+            )
 
 
 def _routed_layer(

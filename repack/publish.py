@@ -21,6 +21,7 @@ import fcntl
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -171,5 +172,63 @@ def publish(temp: Path, out: Path, *, force: bool) -> Path | None:
 
 
 def remove_tree(path: Path | None) -> None:
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
+    """Delete a replaced or abandoned tree; a link (what ``--force`` over a symlinked OUT swaps out) is unlinked, and
+    the folder it points to, which is not ours, is left alone."""
+    if path is None:
+        return
+    if path.is_symlink():
+        with suppress(OSError):
+            path.unlink()
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Clean up after killed runs: delete their ``.OUT.tmp-<pid>`` folders, and put back a previous OUT that a
+    ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing. A folder is stale when no live run
+    holds its lock (:class:`WorkFolder`), whatever its PID says (PIDs are reused)."""
+    for path in out.parent.glob(f".{out.name}.tmp-*"):
+        if is_abandoned(path):
+            remove_tree(path)
+    for path in out.parent.glob(f".{out.name}.old-*"):
+        if is_abandoned(path):
+            if os.path.lexists(out):
+                remove_tree(path)  # the new OUT was published; this is the leftover
+            else:
+                path.rename(out)
+
+
+class Janitor:
+    """A helper process that runs :func:`remove_stale_temps` for OUT once this process is gone, however it ends.
+
+    Why: a run killed after the swap leaves the whole old output (gigabytes) in ``.OUT.tmp-<pid>``, and one killed
+    while converting leaves its partial output there, until the next convert into the same OUT. The helper waits
+    on a pipe that only this process holds open: a kill closes it as surely as a normal exit does. It starts in a
+    session of its own, so the Ctrl-C that stops the converter does not stop it, and it inherits no descriptor (so
+    no lock: the work folder's lock still tells it whether a run is alive)."""
+
+    def __init__(self, out: Path) -> None:
+        self._process: subprocess.Popen | None = None
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "repack.janitor", os.fsdecode(out)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:  # no interpreter to start: the next convert cleans up, as before
+            self._process = None
+
+    def finish(self) -> None:
+        """This run is over (its locks released): let the helper clean what is left now, without waiting long."""
+        if self._process is None:
+            return
+        process, self._process = self._process, None
+        with suppress(OSError):
+            process.stdin.close()
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=JANITOR_WAIT_SECONDS)
+
+
+JANITOR_WAIT_SECONDS = 2.0  # a normal run leaves it nothing to do; after an interrupt it deletes the old tree alone

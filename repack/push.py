@@ -36,7 +36,9 @@ from repack.display import plain
 from repack.formats.constants import CARD_FILE, FORMAT_NAME, INDEX_FILE, MANIFEST_FILE
 from repack.formats.errors import RepackError, printable
 from repack.formats.manifest import Manifest, check_file
+from repack.formats.paths import contained_child
 from repack.model_files import SOURCE_README, matches_any
+from repack.outcome import OUTCOME
 from repack.progress import byte_progress
 from repack.provenance import checked_repo_id, source_card_data
 
@@ -259,12 +261,15 @@ def push_checkpoint(
     plan = plan_push(out_dir, full_id, **options)
     if plan.write_card:
         _write_card(plan)
+    OUTCOME.uploading = (full_id, out_dir)  # what an interrupt from here on says (repack.publish.Outcome)
     try:
-        return _upload(api, plan, access, private=private, revision=revision, create_pr=create_pr)
+        result = _upload(api, plan, access, private=private, revision=revision, create_pr=create_pr)
     except RepackError:
         raise
     except Exception as error:
         _raise_as_hub_error(error, full_id, PUSHING, access)
+    OUTCOME.uploading = None
+    return result
 
 
 def push_after_convert(
@@ -447,7 +452,7 @@ def _upload(
 
 
 def _read_config(out_dir: Path) -> dict:
-    path = out_dir / CONFIG_NAME
+    path = contained_child(out_dir, CONFIG_NAME, str(out_dir))
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as error:
@@ -476,8 +481,19 @@ def _read_speed_table(path: Path | None) -> str | None:
     return text
 
 
+def _card_path(out_dir: Path) -> Path:
+    """OUT/README.md, which push reads and may rewrite: never a link (a write would land in the file it points to,
+    inside OUT or out of it), and, like every file push touches, inside OUT (formats.paths)."""
+    path = contained_child(out_dir, CARD_FILE, str(out_dir))
+    if path.is_symlink():
+        raise RepackError(
+            f"{path}: is a link; push writes the model card here, so replace the link with a file or remove it"
+        )
+    return path
+
+
 def _read_existing_card(out_dir: Path) -> str | None:
-    path = out_dir / CARD_FILE
+    path = _card_path(out_dir)
     if not path.is_file():
         return None
     try:
@@ -512,7 +528,7 @@ def _is_converter_copy(existing: str, manifest: Manifest) -> bool:
 
 def _source_card(out_dir: Path, existing: str | None, manifest: Manifest) -> dict:
     """The source card's metadata: SOURCE_README.md, or a README.md an older converter copied from the source."""
-    if (out_dir / SOURCE_README).is_file():
+    if contained_child(out_dir, SOURCE_README, str(out_dir)).is_file():
         return source_card_data(out_dir, SOURCE_README)
     if existing is not None and _is_converter_copy(existing, manifest):
         return source_card_data(out_dir, CARD_FILE)
@@ -520,7 +536,8 @@ def _source_card(out_dir: Path, existing: str | None, manifest: Manifest) -> dic
 
 
 def _write_card(plan: PushPlan) -> None:
-    path = plan.out_dir / CARD_FILE
+    path = _card_path(plan.out_dir)
+    OUTCOME.card = path
     try:
         path.write_text(plan.card, encoding="utf-8")
     except OSError as error:

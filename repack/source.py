@@ -7,14 +7,16 @@ is the resolved commit hash, which the manifest records as the revision.
 
 from __future__ import annotations
 
-import json
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repack.formats.checkpoint import CONFIG_FILE, read_config
+from repack.formats.checkpoint import CONFIG_FILE, read_config_record
 from repack.formats.errors import RepackError
 from repack.formats.hub import download_snapshot
+from repack.formats.json_files import CONFIG_MAX_BYTES, parse_json, read_bounded
+from repack.formats.manifest import FileRecord
 from repack.formats.paths import check_inside, tree_root
 from repack.preflight import local_source
 
@@ -33,6 +35,7 @@ class SourceCheckpoint:
     repo_id: str | None = None  # Hub id, or None for a local folder
     revision: str | None = None  # resolved commit hash (Hub only)
     files: list[str] = field(default_factory=list)  # every regular file, relative, sorted
+    config_record: FileRecord | None = None  # sha256 and size of the config.json bytes that ``config`` was parsed from
 
     @property
     def label(self) -> str:
@@ -40,7 +43,9 @@ class SourceCheckpoint:
 
 
 def list_files(folder: Path) -> list[str]:
-    """Every regular file under ``folder``, skipping hidden entries; a link out of the folder is refused.
+    """Every regular file under ``folder``, skipping hidden entries; a link out of the folder is refused, and so is
+    anything that is neither a file nor a folder (a FIFO, socket or device in place of tokenizer.json would block
+    the copy or be left out without a word).
 
     A Hub cache snapshot's links into its own blobs are fine (formats.paths.tree_root)."""
     root = tree_root(folder)
@@ -53,7 +58,17 @@ def list_files(folder: Path) -> list[str]:
             check_inside(folder, path, root)
         if path.is_file():
             files.append(relative.as_posix())
+        elif path.exists() and not path.is_dir():
+            raise RepackError(
+                f"{path}: is a {_special_kind(path)}, not a regular file; replace it with the file, or remove it"
+            )
     return files
+
+
+def _special_kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"))
+    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def read_quantization_config(folder: Path, config: dict) -> tuple[dict | None, str | None]:
@@ -63,10 +78,7 @@ def read_quantization_config(folder: Path, config: dict) -> tuple[dict | None, s
         return quant, CONFIG_FILE
     path = folder / QUANTIZE_CONFIG_FILE
     if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise RepackError(f"{path}: not valid JSON; fix or re-download it") from None
+        data = parse_json(read_bounded(path, CONFIG_MAX_BYTES, QUANTIZE_CONFIG_FILE), path, "fix or re-download it")
         if isinstance(data, dict):
             return data, QUANTIZE_CONFIG_FILE
     return None, None
@@ -81,7 +93,7 @@ def resolve_source(src: str, revision: str | None = None) -> SourceCheckpoint:
         folder = download_snapshot(src, revision)
         repo_id = src
         commit = folder.name if _COMMIT.match(folder.name) else revision
-    config = read_config(folder)
+    config, config_record = read_config_record(folder)
     quant, quant_file = read_quantization_config(folder, config)
     return SourceCheckpoint(
         path=folder,
@@ -91,4 +103,5 @@ def resolve_source(src: str, revision: str | None = None) -> SourceCheckpoint:
         repo_id=repo_id,
         revision=commit,
         files=list_files(folder),
+        config_record=config_record,
     )

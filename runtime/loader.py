@@ -10,6 +10,7 @@ at the speed of reading the files.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,16 +19,17 @@ from pathlib import Path
 import torch
 
 from repack.formats.checkpoint import (
-    CONVERSION_ID_KEY,
+    CONFIG_FILE,
     CheckpointReader,
     TensorEntry,
-    check_one_conversion,
-    read_repack_config,
+    parse_repack_quant_config,
+    read_config_record,
 )
+from repack.formats.constants import MANIFEST_FILE
 from repack.formats.errors import RepackError
 from repack.formats.families import SHARED_EXPERT_MODULES
 from repack.formats.hub import download_snapshot, looks_like_repo_id
-from repack.formats.integrity import check_output_files
+from repack.formats.integrity import check_output_files, check_structure
 from repack.formats.manifest import Manifest
 from repack.formats.stacks import ACTIVATION_DTYPES, ROUTED, SHARED, StackInfo
 from repack.runtime.kernels.backend import check_kernel_backend
@@ -47,13 +49,15 @@ class ShardRegion:
     """The bytes of one shard the loader reads: from its first tensor to the end of its last, in one piece.
 
     The tensors come from the format's reader (``formats.checkpoint.TensorEntry``, absolute file offsets): the
-    headers are parsed once, there."""
+    headers are parsed once, there, and the region is read through the same descriptor (``fd``), so its bytes are
+    those of the file whose header was checked. The header is bytes ``0 .. start`` of the file (the spec's tiling,
+    which the reader checks, puts the first tensor right after it)."""
 
     path: Path
     start: int  # absolute file offset of the first tensor's data
     nbytes: int
     entries: tuple[TensorEntry, ...]
-    identity: tuple[int, int]  # (device, inode) of the file the header came from
+    fd: int  # the reader's descriptor of the file (formats.checkpoint.CheckpointReader.fd)
 
 
 def shard_regions(reader: CheckpointReader) -> list[ShardRegion]:
@@ -68,15 +72,15 @@ def shard_regions(reader: CheckpointReader) -> list[ShardRegion]:
             continue
         start = min(entry.offset for entry in entries)
         end = max(entry.offset + entry.nbytes for entry in entries)
-        regions.append(ShardRegion(reader.folder / file, start, end - start, tuple(entries), reader.identities[file]))
+        regions.append(ShardRegion(reader.folder / file, start, end - start, tuple(entries), reader.fd(file)))
     return regions
 
 
-def _read_exactly(handle, target: memoryview, file: Path) -> None:
-    """Fill ``target`` from ``handle``; readinto may return short counts, so loop until full."""
+def _pread_into(fd: int, target: memoryview, offset: int, file: Path) -> None:
+    """Fill ``target`` from ``fd`` at ``offset``; preadv may return short counts, so loop until full."""
     done = 0
     while done < len(target):
-        got = handle.readinto(target[done:])
+        got = os.preadv(fd, [target[done:]], offset + done)
         if not got:
             raise RepackError(f"{file}: file ended early while reading (truncated?); re-download or re-convert")
         done += got
@@ -90,8 +94,8 @@ class HostStaging:
         self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self.ready: list[torch.cuda.Event | None] = [None, None]
 
-    def copy_file_to(self, handle, file: Path, target: torch.Tensor) -> None:
-        """Stream ``target.numel()`` bytes from ``handle`` into the device tensor ``target``."""
+    def copy_file_to(self, region: ShardRegion, target: torch.Tensor, digest=None) -> None:
+        """Stream the region's bytes into the device tensor ``target`` (hashing them into ``digest``, if given)."""
         total = target.numel()
         for step, offset in enumerate(range(0, total, self.chunk_bytes)):
             slot = step % 2
@@ -99,31 +103,33 @@ class HostStaging:
                 self.ready[slot].synchronize()  # the copy out of this buffer has finished
             size = min(self.chunk_bytes, total - offset)
             staging = self.buffers[slot][:size]
-            _read_exactly(handle, memoryview(staging.numpy()), file)
+            view = memoryview(staging.numpy())
+            _pread_into(region.fd, view, region.start + offset, region.path)
+            if digest is not None:
+                digest.update(view)
             target[offset : offset + size].copy_(staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self.ready[slot] = event
 
 
-def read_shard_bytes(region: ShardRegion, device: torch.device, staging: HostStaging | None) -> torch.Tensor:
-    """The region's bytes as one uint8 tensor on ``device`` (one buffer, filled by plain copies)."""
-    with open(region.path, "rb", buffering=0) as handle:
-        stat = os.fstat(handle.fileno())
-        if (stat.st_dev, stat.st_ino) != region.identity:
-            raise RepackError(
-                f"{region.path}: replaced while loading (another `repack convert --force`?); load it again"
-            )
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        handle.seek(region.start)
-        if device.type == "cpu":
-            buffer = torch.empty(region.nbytes, dtype=torch.uint8)
-            _read_exactly(handle, memoryview(buffer.numpy()), region.path)
-            return buffer
-        buffer = torch.empty(region.nbytes, dtype=torch.uint8, device=device)
-        staging.copy_file_to(handle, region.path, buffer)
+def read_shard_bytes(
+    region: ShardRegion, device: torch.device, staging: HostStaging | None, digest=None
+) -> torch.Tensor:
+    """The region's bytes as one uint8 tensor on ``device`` (one buffer, filled by plain copies); with ``digest``
+    (a sha256 fed the file's header already) every byte read is hashed on the way."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(region.fd, region.start, region.nbytes, os.POSIX_FADV_SEQUENTIAL)
+    if device.type == "cpu":
+        buffer = torch.empty(region.nbytes, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        _pread_into(region.fd, view, region.start, region.path)
+        if digest is not None:
+            digest.update(view)
         return buffer
+    buffer = torch.empty(region.nbytes, dtype=torch.uint8, device=device)
+    staging.copy_file_to(region, buffer, digest)
+    return buffer
 
 
 def tensor_view(buffer: torch.Tensor, begin: int, entry: TensorEntry) -> torch.Tensor:
@@ -141,17 +147,15 @@ def tensor_view(buffer: torch.Tensor, begin: int, entry: TensorEntry) -> torch.T
 
 
 def load_tensors(
-    folder: Path, device: torch.device, chunk_bytes: int, config: dict | None = None
+    reader: CheckpointReader, device: torch.device, chunk_bytes: int, hashes: Manifest | None = None
 ) -> dict[str, torch.Tensor]:
     """Every tensor of every shard, on ``device``, as views of one byte buffer per shard.
 
-    The shards and their headers come from the format's reader (index, missing or truncated shards checked);
-    with ``config`` (config.json), every shard must carry its conversion id, and every shard read must be the
-    file whose header was parsed: a folder replaced while loading is refused, never loaded as a mix.
+    The shards and their headers come from the format's reader (index, missing or truncated shards checked), each
+    read through the descriptor its header was parsed from. With ``hashes`` (a manifest), every shard's sha256 is
+    computed from the bytes as they are loaded (its header, then its data region: the whole file) and must be the
+    manifest's: one read of the checkpoint, not a hashing pass and then a loading one.
     """
-    reader = CheckpointReader(folder)
-    if config is not None:
-        check_one_conversion(folder, config, reader)
     regions = shard_regions(reader)
     staging = None
     if device.type != "cpu":
@@ -159,7 +163,17 @@ def load_tensors(
         staging = HostStaging(max(1, min(chunk_bytes, largest)))
     tensors: dict[str, torch.Tensor] = {}
     for region in regions:
-        buffer = read_shard_bytes(region, device, staging)
+        digest = None
+        if hashes is not None:
+            header = bytearray(region.start)
+            _pread_into(region.fd, memoryview(header), 0, region.path)
+            digest = hashlib.sha256(header)
+        buffer = read_shard_bytes(region, device, staging, digest)
+        if digest is not None and digest.hexdigest() != hashes.output_files[region.path.name].sha256:
+            raise RepackError(
+                f"{region.path}: sha256 differs from {MANIFEST_FILE} (the output file changed or is corrupt); re-run "
+                "`repack convert`"
+            )
         for entry in region.entries:
             tensors[entry.name] = tensor_view(buffer, entry.offset - region.start, entry)
     if device.type == "cuda":
@@ -287,9 +301,12 @@ def load(
     the blocks that ``moe_block`` builds; the stored tensors keep their own dtypes. ``chunk_bytes`` is the size of
     each pinned staging buffer (GPU). ``shared_mode`` is how those blocks run a stacked shared expert: "joined"
     (one fused_moe call with the routed experts, where the files allow it) or "separate" (a second call); None
-    takes ``runtime.moe_block.DEFAULT_SHARED_MODE``. ``verify=True`` first checks every file's sha256 against
-    the manifest (reads the checkpoint twice), so an edited or corrupt file is refused instead of loaded.
-    Always: all files must belong to one conversion (its id), so a folder replaced while loading is refused.
+    takes ``runtime.moe_block.DEFAULT_SHARED_MODE``.
+
+    Always checked against the manifest, at no cost in reading (``formats.integrity.check_structure``): config.json
+    and the index byte for byte, every shard's size and header, and one conversion id in all of them, so a
+    truncated or edited file, or a folder replaced while loading, is refused rather than loaded. ``verify=True``
+    also hashes every data byte (as it is loaded: the checkpoint is still read once) and every other file.
     """
     folder = resolve_checkpoint_folder(path, revision)
     if dtype not in ACTIVATION_DTYPES:
@@ -304,10 +321,14 @@ def load(
         )
     check_kernel_backend(device, "load")  # on the CPU: the interpreter, or one clear error now
     shared_mode = resolve_shared_mode(shared_mode)  # a wrong mode fails here, not at the first block
-    config, stacks = read_repack_config(folder)
-    if verify:
-        verify_files(folder, config)
-    tensors = load_tensors(folder, device, chunk_bytes, config)
+    config, config_record = read_config_record(folder)
+    stacks = parse_repack_quant_config(config.get("quantization_config") or {}, str(folder / CONFIG_FILE))
+    manifest = Manifest.read(folder)
+    with CheckpointReader(folder) as reader:
+        check_structure(folder, manifest, config, config_record, reader)
+        if verify:  # the shards that hold tensors are hashed as they are loaded; the other files here
+            check_output_files(folder, manifest, skip={entry.file for entry in reader.entries.values()})
+        tensors = load_tensors(reader, device, chunk_bytes, manifest if verify else None)
     return RepackCheckpoint(folder, config, stacks, tensors, device, dtype, shared_mode)
 
 
@@ -325,18 +346,6 @@ def resolve_checkpoint_folder(path: str | os.PathLike, revision: str | None) -> 
     raise RepackError(
         f"{folder}: no such folder (and not a Hub id org/name); pass the output folder of `repack convert`"
     )
-
-
-def verify_files(folder: Path, config: dict) -> None:
-    """Every file against the manifest's sha256, and the manifest of this conversion (formats.integrity)."""
-    manifest = Manifest.read(folder)
-    check_output_files(folder, manifest)
-    expected = (config.get("quantization_config") or {}).get(CONVERSION_ID_KEY)
-    if manifest.conversion_id != expected:
-        raise RepackError(
-            f"{folder}: the manifest belongs to conversion {manifest.conversion_id!r} but config.json to "
-            f"{expected!r}; the folder mixes two conversions, re-convert"
-        )
 
 
 __all__ = ["RepackCheckpoint", "load", "SHARED", "ROUTED"]

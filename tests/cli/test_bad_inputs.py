@@ -162,7 +162,8 @@ def test_truncated_safetensors(src, tmp_path):
 
 def test_source_truncated_after_its_header_was_read(src, tmp_path, monkeypatch):
     """A shard cut short while converting (after planning read its header) ends in the one line, not a SIGBUS or a
-    short output: the converter reads source bytes with pread, which reports the end of the file."""
+    short output: the converter reads source bytes with pread (its read-once stream too), which reports the end of
+    the file."""
     path = src / "model.safetensors"
     plan = repack.convert.build_plan
 
@@ -172,7 +173,7 @@ def test_source_truncated_after_its_header_was_read(src, tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(repack.convert, "build_plan", plan_then_truncate)
-    convert_fails(src, tmp_path, str(path), "truncated while reading tensor")
+    convert_fails(src, tmp_path, str(path), "truncated while reading")
 
 
 def test_corrupt_safetensors_header(src, tmp_path):

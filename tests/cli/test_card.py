@@ -13,7 +13,7 @@ import yaml
 from markdown_it import MarkdownIt
 
 from repack.card import is_generated_card, render_model_card
-from repack.formats.manifest import Manifest
+from repack.formats.manifest import SELF_CHECKSUM, Manifest, self_checksum
 
 SOURCE_FILES = {
     "config.json": {"sha256": "a" * 64, "size": 1234},
@@ -36,7 +36,13 @@ def hub_manifest(**source) -> Manifest:
     }
     if source:
         data["source"] = source
-    return Manifest.parse(json.dumps(data).encode())
+    return parse_manifest(data)
+
+
+def parse_manifest(data: dict) -> Manifest:
+    """A manifest written by hand, with the checksum of itself that every manifest carries."""
+    data = {key: value for key, value in data.items() if key != SELF_CHECKSUM}
+    return Manifest.parse(json.dumps({**data, SELF_CHECKSUM: self_checksum(data)}).encode())
 
 
 def repack_config(act_order: bool = False) -> dict:
@@ -180,7 +186,7 @@ def test_source_names_cannot_inject_markup_into_the_card():
     config["architectures"] = [hostile]
     data = json.loads(hub_manifest().raw)
     data["source_files"] = {hostile.replace("/", "_"): {"sha256": "f" * 64, "size": 1}}
-    manifest = Manifest.parse(json.dumps(data).encode())
+    manifest = parse_manifest(data)
     _, body = split_card(render_model_card(manifest, config, repo_id="o/r", speed_table=None))
     tokens = MarkdownIt("commonmark").enable("table").parse(body)
     inline = [child for token in tokens for child in (token.children or [])]

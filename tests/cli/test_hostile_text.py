@@ -16,6 +16,7 @@ from repack.formats.errors import RepackError
 from repack.runtime import load
 from tests.support.entry_point import error_line, run_repack
 from tests.support.fixtures import FIXTURES_DIR
+from tests.support.manifests import restamp
 
 SRC = FIXTURES_DIR / "qwen3moe-g128-sym"
 MARKUP_TENSORS = ("model.extra[/].weight", "model.extra[bold red]x[/bold red].weight")
@@ -39,9 +40,12 @@ def edited_source(folder: Path, config_edit=None, tensors: dict | None = None, f
 
 
 def edit_output_config(out: Path, edit) -> Path:
+    """Edit OUT/config.json and record the edit in the manifest: what is tested is the config's content, past the
+    integrity checks that refuse any config the manifest does not record."""
     config = json.loads((out / "config.json").read_text())
     edit(config)
     (out / "config.json").write_text(json.dumps(config))
+    restamp(out, "config.json")
     return out
 
 

@@ -26,6 +26,7 @@ import repack.push as push_module
 from repack.card import is_generated_card
 from repack.cli import app
 from repack.formats.errors import RepackError
+from repack.formats.manifest import SELF_CHECKSUM, self_checksum
 from repack.push import (
     HubAccess,
     check_hub_access,
@@ -83,6 +84,7 @@ def build_checkpoint(out: Path, *, source: dict | None = None, source_card: str 
         },
         "created": "2025-01-02T03:04:05Z",
     }
+    manifest[SELF_CHECKSUM] = self_checksum(manifest)
     (out / "repack_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out
 

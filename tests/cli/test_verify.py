@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from repack.convert import convert
@@ -61,8 +62,10 @@ def _rewrite_stack_tensor(out, name, change):
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     shard = out / index[name]
     tensors = load_file(shard)
+    with safe_open(shard, "pt") as handle:
+        metadata = handle.metadata()  # the shard keeps its conversion id
     tensors[name] = change(tensors[name].clone())
-    save_file(tensors, shard, metadata={"format": "pt"})
+    save_file(tensors, shard, metadata=metadata)
     sha, size = hash_file(shard)
     manifest = Manifest.read(out).with_output_file(shard.name, FileRecord(sha, size))
     (out / "repack_manifest.json").write_text(json.dumps(manifest.to_json()))

@@ -22,6 +22,7 @@ from repack.formats.errors import RepackError
 from repack.runtime.integrations.transformers import RepackMoeBlock, load_hf_model
 from repack.runtime.kernels.gptq_linear import GptqW4A16Linear
 from tests.support.fixtures import FIXTURES, FIXTURES_DIR, assert_logits_match_reference
+from tests.support.manifests import restamp
 
 GENERATE_FIXTURE = "qwen3moe-g128-sym"  # no shared expert: half the kernel launches of qwen2
 LAYER_TYPES_FIXTURE = "qwen2moe-g128-sym"  # its config.json lists layer_types, which transformers validates
@@ -105,6 +106,7 @@ def test_config_that_does_not_match_the_weights_is_one_line_error(converted, tmp
     config = json.loads((broken / "config.json").read_text())
     config["num_hidden_layers"], config["layer_types"] = 1, config["layer_types"][:1]
     (broken / "config.json").write_text(json.dumps(config))
+    restamp(broken, "config.json")  # past the manifest check: the mismatch itself must be the error
     with pytest.raises(RepackError) as error:
         load_hf_model(broken, device=device)
     assert "model.layers.1.mlp" in str(error.value) and "\n" not in str(error.value)
@@ -116,6 +118,7 @@ def test_invalid_config_is_one_line_error(converted, tmp_path, device):
     config = json.loads((broken / "config.json").read_text())
     config["num_hidden_layers"] = 1  # layer_types still lists 2 layers: transformers' validator refuses it
     (broken / "config.json").write_text(json.dumps(config))
+    restamp(broken, "config.json")  # past the manifest check: the mismatch itself must be the error
     with pytest.raises(RepackError) as error:
         load_hf_model(broken, device=device)
     assert "config.json" in str(error.value) and "\n" not in str(error.value)

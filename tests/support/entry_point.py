@@ -1,4 +1,6 @@
-"""Run the installed ``repack`` console script as a user does, and see what it imported and how long it took."""
+"""Run the installed ``repack`` console script as a user does, and see what it imported and how long it took; or
+its ``main()`` after a few lines that inject a fault (a Ctrl-C at one step, a full disk) no real run could be timed
+to hit."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPACK = Path(sys.executable).parent / "repack"  # the installed console script: the real entry point
+_MAIN = "\nfrom repack.cli import main\nsys.argv = ['repack', *sys.argv[1:]]\nmain()\n"
 
 
 @dataclass
@@ -20,12 +23,20 @@ class Run:
     seconds: float
 
 
-def run_repack(*args: object, env: dict | None = None, cwd: Path | None = None, timeout: float = 300) -> Run:
+def _run(command: list[str], timeout: float, **popen) -> Run:
     start = time.monotonic()
-    result = subprocess.run(
-        [str(REPACK), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
-    )
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen)
     return Run(result.returncode, result.stdout, result.stderr, time.monotonic() - start)
+
+
+def run_repack(*args: object, env: dict | None = None, cwd: Path | None = None, timeout: float = 300, **popen) -> Run:
+    """The installed ``repack ARGS``; ``popen``: more ``subprocess.run`` arguments (``preexec_fn`` for a limit)."""
+    return _run([str(REPACK), *map(str, args)], timeout, env=env, cwd=cwd, **popen)
+
+
+def run_repack_after(setup: str, *args: object, timeout: float = 300, **popen) -> Run:
+    """``repack ARGS`` through the console script's own ``main()``, after the Python lines ``setup`` (patches)."""
+    return _run([sys.executable, "-c", "import sys\n" + setup + _MAIN, *map(str, args)], timeout, **popen)
 
 
 def imported_modules(*args: object, env: dict | None = None) -> set[str]:
@@ -38,9 +49,14 @@ def imported_modules(*args: object, env: dict | None = None) -> set[str]:
     return names
 
 
-def error_line(run: Run) -> str:
-    """The one ``error:`` line of a failed run (asserting there is exactly that and no traceback)."""
-    assert run.returncode != 0, run.stdout
+def error_line(run, *must_contain: str, code: int | None = None) -> str:
+    """The one ``error:`` line of a failed run (asserting there is exactly that and no traceback), containing every
+    ``must_contain``; with ``code``, the exit status too."""
+    assert run.returncode != 0, run.stdout + run.stderr
+    if code is not None:
+        assert run.returncode == code, (run.returncode, run.stderr)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr[-3000:]
+    for text in must_contain:
+        assert text in lines[0], (text, lines[0])
     return lines[0]
