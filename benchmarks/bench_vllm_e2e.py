@@ -16,8 +16,10 @@ symmetric: no quantization math), ``repack convert`` converts it, and each path 
 Per path: engine start-up (the ``LLM(...)`` call), weight loading (vLLM's ``load_model``, which includes
 ``process_weights_after_loading``) with the peak GPU memory allocated during it, then offline ``LLM.generate``
 throughput with 1, 16, 64 and 256 concurrent requests of ``--prompt`` random prompt tokens and ``--output`` new
-tokens each (greedy, ``ignore_eos``), and the MoE share of the CUDA time of a profiled decode-heavy run at 16
-requests (kernels named for MoE: Marlin's ``marlin_moe``/``MarlinExperts`` kernels, ours). Attention on vLLM's
+tokens each (greedy, ``ignore_eos``; each size timed after one untimed run of it, so that neither path compiles
+a kernel inside a timed run: vLLM warned of Triton compiles there before), and the MoE share of the CUDA time of
+a profiled decode-heavy run at 16 requests (kernels named for MoE: Marlin's ``marlin_moe``/``MarlinExperts``
+kernels, ours). Attention on vLLM's
 Triton backend (the carried build has no FlashAttention kernels). ``--eager`` (the default) serves with
 ``enforce_eager=True`` on both paths; ``--cuda-graphs`` lets vLLM compile and capture instead.
 
@@ -147,7 +149,8 @@ def serve_and_measure(model: Path, args: argparse.Namespace, out: Path) -> dict:
             torch.cuda.synchronize()
 
     params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
-    llm.generate(requests(4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    for n in concurrency:  # warm-up: every batch shape once, so no kernel is compiled inside a timed run
+        llm.generate(requests(n), params, use_tqdm=False)
     throughput = {}
     for n in concurrency:
         batch = requests(n)

@@ -205,9 +205,8 @@ def routed_moe(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` from router logits [M, E] (softmax top-k, renormalised if asked: kernels/routing.py), with
-    the routing inside the call's first launch where that measured faster: the alignment's for up to one routing
-    step of tokens (kernels/align.py ``routes_in_alignment``: 16) and, at decode, the activation preparation's
-    (kernels/decode.py; not for act-order stacks). One launch fewer per call than routing first.
+    the routing inside the call's first launch: the alignment's (kernels/align.py) and, at decode, the activation
+    preparation's (kernels/decode.py; not for act-order stacks). One launch fewer per call than routing first.
     The same result as ``fused_moe(hidden_states, weights, *reversed(route(router_logits, top_k, renormalize)))``."""
     m = hidden_states.shape[0]
     if router_logits.dim() != 2 or router_logits.shape[0] != m or router_logits.shape[1] != weights.num_experts:

@@ -5,28 +5,28 @@ The tensor-core families work on blocks of BLOCK_M rows that all use one expert.
 (``M * k``, masked by the GEMMs). Sizes are upper bounds known on the host (``max_blocks``), the real
 block count stays in device memory (``num_blocks``), so the whole step is CUDA-graph capturable.
 
-Why not one program: a single program walking every pair with a one-hot [chunk, E] cumsum (the first version
-of this module) took 69% of a Qwen3-30B call at M=4096 (benchmarks/KERNEL_NOTES.md item 17). Now the pairs are
-cut into chunks of up to MAX_CHUNK, one program each, and the work is O(pairs + E):
+Why not one program for everything: a single program walking every pair with a one-hot [chunk, E] cumsum (the
+first version of this module) took 69% of a Qwen3-30B call at M=4096 (benchmarks/KERNEL_NOTES.md item 17). Past
+one program's pairs the work is cut into chunks, one program each, O(pairs + E) in all:
 
-1. ``_count_kernel`` (grid: chunks): the chunk's pairs per expert (``tl.histogram``), and this program's share
-   of the output filled with the sentinel;
-2. ``_scan_kernel`` (one program, O(chunks x E)): the counts summed, every expert's padded segment end
-   (a scan over E), ``num_blocks``, and a cursor per (chunk, expert): where that chunk's pairs of that expert
-   begin (a scan over chunks);
-3. ``_scatter_kernel`` (grid: chunks): every pair takes the next slot of its (chunk, expert) cursor with one
-   atomic (contended only inside its chunk), and each program writes the expert of its share of the blocks.
+1. ``_count_kernel`` (grid: chunks): given router logits, it routes its chunk's tokens first (one routing step:
+   no launch of its own for the routing, while the chunks' counts fit the scatter's one tile; past that the
+   routing kernel's grid routes, and a chunk is MAX_CHUNK pairs); then the chunk's pairs per expert
+   (``tl.histogram``) and this program's share of the output filled with the sentinel;
+2. ``_scatter_kernel`` (grid: chunks): the cursor of every (chunk, expert), where that chunk's pairs of that
+   expert begin (the expert's padded segment start, a scan over E, plus its pairs in the chunks before: each
+   program scans the [chunks, E] counts itself while they fit one tile, else ``_scan_kernel`` does it once in a
+   launch between the two); then every pair takes the next slot of its cursor with one atomic (contended only
+   inside its chunk), and the pair that lands on a block's first row writes that block's expert.
 
 The order of the pairs inside a segment is the order the atomics land in: not fixed on a GPU, the pair order
 in Triton's interpreter. No result depends on it: every GEMM row is its pair's own dot products, and the top-k
 sum reads the rows back by pair index.
 
-Up to MAX_CHUNK pairs one program (``_one_program_kernel``) does it all with the counts, segment ends and block
-owners in registers: one barrier and one atomic per pair after the ids are loaded. Given router logits
-(``route_and_align``) and at most one routing step of tokens (routing.token_block, 16 at up to 256 experts), that
-program routes them first: no launch of its own for the routing. More tokens are routed by the routing kernel:
-one program routing them serially, or count programs routing their own chunks, measured slower than the
-routing kernel's own grid (benchmarks/KERNEL_NOTES.md item 18).
+Up to MAX_CHUNK pairs one program (``_one_program_kernel``) does it all with the counts and segment starts in
+registers: one barrier and one atomic per pair after the ids are known; given router logits it routes the tokens
+first, all of them in one step, for calls of up to ONE_PROGRAM_TOKENS tokens and ONE_PROGRAM_LOGITS logits (16
+tokens at 128 experts: one launch in all; measured on the H200 in benchmarks/KERNEL_NOTES.md item 19).
 """
 
 from __future__ import annotations
@@ -37,10 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernels.routing import route, route_outputs, route_tokens, token_block
+from repack.runtime.kernels.routing import route_into, route_outputs, route_tokens, token_block
 
-MAX_CHUNK = 1024  # pairs one program counts and places; the chunk count (grid of steps 1 and 3) is pairs / MAX_CHUNK
-SCAN_TILE = 8192  # elements of one [chunks, E] tile in the scan program
+MAX_CHUNK = 1024  # pairs one program places (the one-program path), and an unrouted chunk's pairs
+SCAN_TILE = 8192  # elements of one [chunks, E] tile of counts: a scatter program scans them itself up to this
+# The one program routes when the call has at most this many tokens and logits (four warps). Measured on the H200
+# (benchmarks/KERNEL_NOTES.md item 19): 64 tokens at 128 experts on 16 warps took 11.5 us where the count and
+# scatter launches took 6.6, and Mixtral's 256 tokens of 8 experts 8.2 us in the one program.
+ONE_PROGRAM_TOKENS = 64
+ONE_PROGRAM_LOGITS = 2048
+SCAN_IN_SCATTER = True  # the scatter programs scan the counts themselves where they fit one tile (no scan launch)
 
 
 @dataclass
@@ -68,29 +74,70 @@ def max_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _chunk_ids(ids_ptr, chunk, num_pairs, CHUNK: tl.constexpr):
-    """(pair indices [CHUNK], their expert ids, -1 past the pairs) of chunk ``chunk``."""
-    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-    return pairs, tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+def _chunk_ids(ids_ptr, first_pair, end_pair, PAIRS: tl.constexpr):
+    """(pair indices [PAIRS] from ``first_pair``, their expert ids, -1 from ``end_pair`` on)."""
+    pairs = first_pair + tl.arange(0, PAIRS)
+    return pairs, tl.load(ids_ptr + pairs, mask=pairs < end_pair, other=-1)
 
 
 @triton.jit
-def _fill_sentinel(sorted_pairs_ptr, program, programs, total_rows, sentinel, FILL: tl.constexpr):
-    """Program ``program`` of ``programs`` writes the sentinel into its share of ``sorted_pairs``."""
-    span = tl.cdiv(tl.cdiv(total_rows, programs), FILL) * FILL
+def _fill(ptr, start, end, value, FILL: tl.constexpr):
+    """``ptr[start:end] = value``."""
     lanes = tl.arange(0, FILL)
-    end = tl.minimum(total_rows, (program + 1) * span)
-    for start in range(program * span, end, FILL):
-        rows = start + lanes
-        tl.store(sorted_pairs_ptr + rows, tl.full([FILL], 0, tl.int32) + sentinel, mask=rows < end)
+    for r0 in range(start, end, FILL):
+        tl.store(ptr + r0 + lanes, tl.full([FILL], 0, tl.int32) + value, mask=r0 + lanes < end)
 
 
 @triton.jit
-def _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M: tl.constexpr,
-              BLOCK_E: tl.constexpr, TILE_C: tl.constexpr):  # fmt: skip
-    """From the per-chunk counts [chunks, BLOCK_E]: every expert's padded segment end (``ends``), the block
-    count, and ``cursors[c, e]``, the first slot of chunk c's pairs of expert e (segment start + pairs of e in
-    the chunks before c), so the scatter's atomics only meet other pairs of their own chunk and expert."""
+def _counts(ids, placed, BLOCK_E: tl.constexpr):
+    """Pairs per expert of ``ids`` (any shape) where ``placed``."""
+    return tl.histogram(tl.reshape(ids, [ids.numel]), BLOCK_E, mask=tl.reshape(placed, [placed.numel]))
+
+
+@triton.jit
+def _segment_starts(totals, BLOCK_M: tl.constexpr):
+    """(every expert's first row, the rows used): segments of ``totals`` pairs padded to whole blocks."""
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    return ends - padded, tl.sum(padded, axis=0)
+
+
+@triton.jit
+def _place(pairs, ids, placed, cursors_ptr, sorted_pairs_ptr, block_experts_ptr, BLOCK_M: tl.constexpr):
+    """Every placed pair takes the next slot of its expert's cursor; the one on a block's first row writes the
+    block's expert. Each used block's first row holds a pair (segments start on block boundaries and are padded
+    at their end), so this writes every used block's owner once and no [blocks, E] search is needed."""
+    slot = tl.atomic_add(cursors_ptr + ids, 1, mask=placed, sem="relaxed")
+    tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
+    tl.store(block_experts_ptr + slot // BLOCK_M, ids, mask=placed & (slot % BLOCK_M == 0))
+
+
+@triton.jit
+def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, num_tokens, num_experts,
+                  total_rows, stride_logits, ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr,
+                  FILL: tl.constexpr):  # fmt: skip
+    """Step 1: with ROUTE, this chunk's BLOCK_T tokens routed (CHUNK = BLOCK_T * TOP_K pairs); the chunk's pairs
+    per expert (ids outside [0, E) are not counted); its share of the sentinel."""
+    chunk = tl.program_id(0)
+    num_pairs = num_tokens * TOP_K
+    if ROUTE:
+        _, ids, placed = route_tokens(logits_ptr, weights_ptr, ids_ptr, chunk * BLOCK_T, num_tokens, num_experts,
+                                      stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
+    else:
+        _, ids = _chunk_ids(ids_ptr, chunk * CHUNK, tl.minimum(num_pairs, (chunk + 1) * CHUNK), PAIRS)
+        placed = (ids >= 0) & (ids < num_experts)
+    tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), _counts(ids, placed, BLOCK_E))
+    span = tl.cdiv(tl.cdiv(total_rows, tl.num_programs(0)), FILL) * FILL
+    _fill(sorted_pairs_ptr, chunk * span, tl.minimum(total_rows, (chunk + 1) * span), num_pairs, FILL)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, cursors_ptr, block_experts_ptr, num_blocks_ptr, chunks, max_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TILE_C: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    """Step 1.5, where the [chunks, E] counts exceed one tile: ``cursors[c, e]``, the first slot of chunk c's
+    pairs of expert e (segment start + pairs of e in the chunks before c); the block count; -1 for the expert of
+    every block past it."""
     experts = tl.arange(0, BLOCK_E)
     rows = tl.arange(0, TILE_C)
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -98,108 +145,77 @@ def _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M
         in_range = (c0 + rows)[:, None] < chunks
         tile = tl.load(counts_ptr + (c0 + rows)[:, None] * BLOCK_E + experts[None, :], mask=in_range, other=0)
         totals += tl.sum(tile, axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(ends_ptr + experts, ends)
-    tl.store(num_blocks_ptr, tl.sum(padded, axis=0) // BLOCK_M)
-    running = ends - padded
+    running, used = _segment_starts(totals, BLOCK_M)
     for c0 in range(0, chunks, TILE_C):
         offs = (c0 + rows)[:, None] * BLOCK_E + experts[None, :]
         in_range = (c0 + rows)[:, None] < chunks
         tile = tl.load(counts_ptr + offs, mask=in_range, other=0)
         tl.store(cursors_ptr + offs, running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=in_range)
         running += tl.sum(tile, axis=0)
+    tl.store(num_blocks_ptr, used // BLOCK_M)
+    _fill(block_experts_ptr, used // BLOCK_M, max_blocks, -1, FILL)
 
 
 @triton.jit
-def _block_owners(ends, block_experts_ptr, first_block, end_block, BLOCK_M: tl.constexpr, TILE_B: tl.constexpr):
-    """Blocks ``first_block .. end_block``: each one's expert, the number of segments (``ends`` [BLOCK_E]) that end
-    at or before its first row, -1 past the last segment."""
-    total = tl.max(ends, axis=0)
-    lanes = tl.arange(0, TILE_B)
-    for b0 in range(first_block, end_block, TILE_B):
-        blocks = b0 + lanes
-        first_row = blocks * BLOCK_M
-        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + blocks, tl.where(first_row < total, owner, -1), mask=blocks < end_block)
-
-
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, sorted_pairs_ptr, num_pairs, num_experts, total_rows, BLOCK_E: tl.constexpr,
-                  CHUNK: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
-    """Step 1: the chunk's pairs per expert (ids outside [0, E) are not counted), its share of the sentinel."""
+def _scatter_kernel(ids_ptr, counts_ptr, cursors_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+                    num_pairs, num_experts, max_blocks, chunks, SCAN: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr, TILE_C: tl.constexpr,
+                    FILL: tl.constexpr):  # fmt: skip
+    """Step 2: with SCAN, this chunk's cursors from the [chunks (<= TILE_C), E] counts (and, in program 0, the
+    block count and the -1 owners past it); then every pair of the chunk placed (:func:`_place`)."""
     chunk = tl.program_id(0)
-    _, ids = _chunk_ids(ids_ptr, chunk, num_pairs, CHUNK)
-    counts = tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < num_experts))
-    tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
-    _fill_sentinel(sorted_pairs_ptr, chunk, tl.num_programs(0), total_rows, num_pairs, FILL)
-
-
-@triton.jit
-def _scan_kernel(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M: tl.constexpr,
-                 BLOCK_E: tl.constexpr, TILE_C: tl.constexpr):  # fmt: skip
-    _segments(counts_ptr, cursors_ptr, ends_ptr, num_blocks_ptr, chunks, BLOCK_M, BLOCK_E, TILE_C)
-
-
-@triton.jit
-def _scatter_kernel(ids_ptr, cursors_ptr, ends_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
-                    max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                    TILE_B: tl.constexpr):  # fmt: skip
-    """Step 3: every pair of the chunk takes the next slot of its (chunk, expert) cursor (one atomic), and the
-    program writes the expert of its share of the blocks."""
-    chunk = tl.program_id(0)
-    pairs, ids = _chunk_ids(ids_ptr, chunk, num_pairs, CHUNK)
+    cursors_ptr += chunk * BLOCK_E
+    if SCAN:
+        experts = tl.arange(0, BLOCK_E)
+        rows = tl.arange(0, TILE_C)[:, None]
+        tile = tl.load(counts_ptr + rows * BLOCK_E + experts[None, :], mask=rows < chunks, other=0)
+        starts, used = _segment_starts(tl.sum(tile, axis=0), BLOCK_M)
+        tl.store(cursors_ptr + experts, starts + tl.sum(tl.where(rows < chunk, tile, 0), axis=0))
+        if chunk == 0:
+            tl.store(num_blocks_ptr, used // BLOCK_M)
+            _fill(block_experts_ptr, used // BLOCK_M, max_blocks, -1, FILL)
+        tl.debug_barrier()  # the cursors stored before any thread's atomic reads them
+    pairs, ids = _chunk_ids(ids_ptr, chunk * CHUNK, tl.minimum(num_pairs, (chunk + 1) * CHUNK), PAIRS)
     placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
-    slot = tl.atomic_add(cursors_ptr + chunk * BLOCK_E + ids, 1, mask=placed, sem="relaxed")
-    tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
-    span = tl.cdiv(tl.cdiv(max_blocks, tl.num_programs(0)), TILE_B) * TILE_B
-    ends = tl.load(ends_ptr + tl.arange(0, BLOCK_E))
-    _block_owners(ends, block_experts_ptr, chunk * span, tl.minimum(max_blocks, (chunk + 1) * span), BLOCK_M, TILE_B)
+    _place(pairs, ids, placed, cursors_ptr, sorted_pairs_ptr, block_experts_ptr, BLOCK_M)
 
 
 @triton.jit
 def _one_program_kernel(logits_ptr, weights_ptr, ids_ptr, cursors_ptr, sorted_pairs_ptr, block_experts_ptr,
                         num_blocks_ptr, num_tokens, num_experts, total_rows, max_blocks, stride_logits,
                         ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PAIRS: tl.constexpr, FILL: tl.constexpr,
-                        TILE_B: tl.constexpr):  # fmt: skip
-    """Routing (with ROUTE: the BLOCK_T tokens of one routing step at most) and the whole alignment in one
-    program, for calls of up to MAX_CHUNK pairs.
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PAIRS: tl.constexpr,
+                        FILL: tl.constexpr):  # fmt: skip
+    """Routing (with ROUTE: all BLOCK_T tokens in one step) and the whole alignment in one program, for calls of
+    up to MAX_CHUNK pairs.
 
-    The counts, segment ends and block owners stay in registers: the only global round trips after the ids are
-    one barrier (the cursors, stored as the segment starts, visible to every thread) and one atomic per pair,
-    where the three steps pass them through memory three times."""
+    The counts and segment starts stay in registers: the only global round trips after the ids are one barrier
+    (the cursors, stored as the segment starts, and the sentinel fill, visible to every thread) and one atomic
+    per pair."""
     num_pairs = num_tokens * TOP_K
     if ROUTE:
-        route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, num_tokens, num_experts, stride_logits, TOP_K, RENORMALIZE,
-                     BLOCK_T, BLOCK_E)  # fmt: skip
-        tl.debug_barrier()  # the ids this program stored, visible to all of its threads
-    pairs = tl.arange(0, PAIRS)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-    placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
-    counts = tl.histogram(ids, BLOCK_E, mask=placed)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    used = tl.sum(padded, axis=0)
+        pairs, ids, placed = route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, num_tokens, num_experts,
+                                          stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
+    else:
+        pairs, ids = _chunk_ids(ids_ptr, 0, num_pairs, PAIRS)
+        placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
+    starts, used = _segment_starts(_counts(ids, placed, BLOCK_E), BLOCK_M)
     tl.store(num_blocks_ptr, used // BLOCK_M)
     tl.store(cursors_ptr + tl.arange(0, BLOCK_E), starts)
-    # The sentinel where no pair goes: each segment's padding (under BLOCK_M rows), then every row past the last.
-    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_pairs_ptr + pad, tl.full(pad.shape, 0, tl.int32) + num_pairs, mask=pad < ends[:, None])
-    lanes = tl.arange(0, FILL)
-    for r0 in range(used, total_rows, FILL):
-        tl.store(sorted_pairs_ptr + r0 + lanes, tl.full([FILL], 0, tl.int32) + num_pairs, mask=r0 + lanes < total_rows)
-    _block_owners(ends, block_experts_ptr, 0, max_blocks, BLOCK_M, TILE_B)
-    tl.debug_barrier()  # every cursor stored before any thread's atomic reads it
-    slot = tl.atomic_add(cursors_ptr + ids, 1, mask=placed, sem="relaxed")
-    tl.store(sorted_pairs_ptr + slot, pairs, mask=placed)
+    _fill(sorted_pairs_ptr, 0, total_rows, num_pairs, FILL)  # the pairs overwrite their rows after the barrier
+    _fill(block_experts_ptr, used // BLOCK_M, max_blocks, -1, FILL)
+    tl.debug_barrier()  # every cursor and sentinel stored before any thread's atomic or pair store
+    _place(pairs, ids, placed, cursors_ptr, sorted_pairs_ptr, block_experts_ptr, BLOCK_M)
+
+
+def one_program_tokens(num_experts: int, top_k: int) -> int:
+    """The most tokens the one program routes and aligns (ONE_PROGRAM_TOKENS, ONE_PROGRAM_LOGITS, MAX_CHUNK)."""
+    return min(ONE_PROGRAM_TOKENS, ONE_PROGRAM_LOGITS // triton.next_power_of_2(num_experts), MAX_CHUNK // top_k)
 
 
 def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> Alignment:
     """Launch the alignment of the [M, k] ids ``ids``; with ``routing`` = (logits [M, E], weights [M, k],
-    renormalize), the one program routes the tokens into ``ids`` and ``weights`` first (at most one routing step
-    of tokens: :func:`route_and_align` decides)."""
+    renormalize), the first launch routes the tokens into ``ids`` and ``weights`` first."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     device = ids.device
@@ -209,33 +225,53 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
     ids_flat = ids.view(-1)
-    tile_b = max(16, SCAN_TILE // block_e)  # blocks per [blocks, E] compare tile
-    if num_pairs <= MAX_CHUNK:
-        logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
+    logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
+    stride_logits = logits.stride(0) if routing else 0
+    route = dict(ROUTE=routing is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e)
+    if num_pairs <= MAX_CHUNK and (routing is None or num_tokens <= one_program_tokens(num_experts, top_k)):
+        block_t = triton.next_power_of_2(num_tokens)
+        # Warps: 4 per 2048 router logits; without routing 8 from 512 pairs on (measured faster there).
+        warps = max(4, min(16, block_t * block_e // 512)) if routing else (8 if num_pairs >= 512 else 4)
         scratch = torch.empty(block_e + 1, dtype=torch.int32, device=device)  # cursors [BLOCK_E], num_blocks [1]
-        pairs = max(16, triton.next_power_of_2(num_pairs))
         _one_program_kernel[(1,)](
             logits, weights, ids_flat, scratch, sorted_pairs, block_experts, scratch[-1:], num_tokens, num_experts,
-            total_rows, max_blocks, logits.stride(0) if routing else 0, ROUTE=routing is not None, TOP_K=top_k,
-            RENORMALIZE=renormalize, BLOCK_T=token_block(num_experts), BLOCK_M=block_m, BLOCK_E=block_e,
-            PAIRS=pairs, FILL=1024, TILE_B=tile_b, num_warps=8 if pairs >= 512 else 4,
+            total_rows, max_blocks, stride_logits, BLOCK_T=block_t, BLOCK_M=block_m,
+            PAIRS=max(16, triton.next_power_of_2(num_pairs)), FILL=1024, num_warps=warps, **route,
         )  # fmt: skip
         return Alignment(sorted_pairs, block_experts, scratch[-1:], block_m)
+    if routing is not None and triton.cdiv(num_tokens, token_block(num_experts)) * block_e > SCAN_TILE:
+        # More routing steps than the scatter programs scan in one tile: the routing kernel's grid, then chunks of
+        # MAX_CHUNK pairs (one routing step per chunk made the scan launch 12-32 us at M=4096: KERNEL_NOTES 19).
+        route_into(logits, weights, ids_flat, top_k, renormalize)
+        routing, route["ROUTE"] = None, False
     if routing is not None:
-        raise ValueError(f"align: routing inside the alignment takes at most {MAX_CHUNK} pairs, not {num_pairs}")
-    chunks = triton.cdiv(num_pairs, MAX_CHUNK)
-    # One int32 scratch: per-chunk counts and cursors [chunks, BLOCK_E] each, segment ends [BLOCK_E], num_blocks [1].
-    scratch = torch.empty(2 * chunks * block_e + block_e + 1, dtype=torch.int32, device=device)
-    counts, cursors = scratch[: chunks * block_e], scratch[chunks * block_e : 2 * chunks * block_e]
-    ends, num_blocks = scratch[2 * chunks * block_e : -1], scratch[-1:]
-    sizes = dict(BLOCK_E=block_e, CHUNK=MAX_CHUNK)
-    _count_kernel[(chunks,)](ids_flat, counts, sorted_pairs, num_pairs, num_experts, total_rows, FILL=1024, **sizes)
-    tile_c = max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
-    # Four warps: eight measured 1.9x slower at 32 chunks (5.5 against 2.9 us, KERNEL_NOTES item 18).
-    _scan_kernel[(1,)](counts, cursors, ends, num_blocks, chunks, BLOCK_M=block_m, BLOCK_E=block_e, TILE_C=tile_c)
+        block_t = token_block(num_experts)  # one routing step per chunk
+        chunk_pairs, chunks = block_t * top_k, triton.cdiv(num_tokens, block_t)
+    else:
+        block_t, chunk_pairs, chunks = 1, MAX_CHUNK, triton.cdiv(num_pairs, MAX_CHUNK)
+    # One int32 scratch: per-chunk counts and cursors [chunks, BLOCK_E] each, num_blocks [1].
+    scratch = torch.empty(2 * chunks * block_e + 1, dtype=torch.int32, device=device)
+    counts, cursors, num_blocks = scratch[: chunks * block_e], scratch[chunks * block_e : -1], scratch[-1:]
+    sizes = dict(BLOCK_E=block_e, CHUNK=chunk_pairs, PAIRS=triton.next_power_of_2(chunk_pairs), FILL=1024)
+    _count_kernel[(chunks,)](
+        logits, weights, ids_flat, counts, sorted_pairs, num_tokens, num_experts, total_rows, stride_logits,
+        BLOCK_T=block_t, **dict(route, **sizes),
+    )  # fmt: skip
+    scan_here = SCAN_IN_SCATTER and chunks * block_e <= SCAN_TILE
+    tile_c = (
+        triton.next_power_of_2(chunks)
+        if scan_here
+        else max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
+    )
+    if not scan_here:
+        # Four warps: eight measured 1.9x slower at 32 chunks (5.5 against 2.9 us, KERNEL_NOTES item 18).
+        _scan_kernel[(1,)](
+            counts, cursors, block_experts, num_blocks, chunks, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+            TILE_C=tile_c, FILL=1024,
+        )  # fmt: skip
     _scatter_kernel[(chunks,)](
-        ids_flat, cursors, ends, sorted_pairs, block_experts, num_pairs, num_experts, max_blocks, BLOCK_M=block_m,
-        TILE_B=tile_b, **sizes,
+        ids_flat, counts, cursors, sorted_pairs, block_experts, num_blocks, num_pairs, num_experts, max_blocks,
+        chunks, SCAN=scan_here, BLOCK_M=block_m, TILE_C=tile_c, **sizes,
     )  # fmt: skip
     return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
 
@@ -245,23 +281,16 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     return _align(topk_ids.contiguous(), num_experts, block_m)
 
 
-def routes_in_alignment(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether :func:`route_and_align` routes inside the alignment's one program: at most one routing step of
-    tokens (routing.token_block) and one program's pairs. Routing more tokens there measured slower than the
-    routing kernel's grid (KERNEL_NOTES item 18)."""
-    return num_tokens <= token_block(num_experts) and num_tokens * top_k <= MAX_CHUNK
-
-
 def route_and_align(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
-    """:func:`routing.route` then :func:`align_pairs`, in one launch where :func:`routes_in_alignment`.
+    """:func:`routing.route` then :func:`align_pairs`, the routing inside the alignment's first launch.
 
     Returns ``(topk_weights fp32 [M, k], topk_ids int32 [M, k], alignment)``, the first two as ``route`` gives them.
     """
     router_logits, weights, ids = route_outputs(router_logits, top_k)
-    num_tokens, num_experts = router_logits.shape
-    if not routes_in_alignment(num_tokens, top_k, num_experts):
-        weights, ids = route(router_logits, top_k, renormalize)
-        return weights, ids, align_pairs(ids, num_experts, block_m)
-    return weights, ids, _align(ids, num_experts, block_m, routing=(router_logits, weights.view(-1), renormalize))
+    return (
+        weights,
+        ids,
+        _align(ids, router_logits.shape[1], block_m, routing=(router_logits, weights.view(-1), renormalize)),
+    )

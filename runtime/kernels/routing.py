@@ -2,8 +2,8 @@
 
 Why a kernel: at decode the whole MoE layer is a few tens of microseconds, and the torch sequence
 (softmax, topk, div) costs three or four launches on its own. One program handles a block of tokens:
-softmax over the experts in fp32, then ``top_k`` rounds of argmax (ties go to the lower expert id, like
-``torch.topk``), then optional renormalisation of the selected weights.
+softmax over the experts in fp32, then one bitonic top-k (ties go to the lower expert id, like ``torch.topk``), then
+optional renormalisation of the selected weights.
 """
 
 from __future__ import annotations
@@ -11,8 +11,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
 
 from repack.formats.errors import RepackError
+
+
+@constexpr_function
+def _pow2_at_least(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
 
 
 @triton.jit
@@ -20,13 +26,17 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_E: tl.constexpr):  # fmt: skip
     """Route tokens ``first_token .. first_token + BLOCK_T`` (those below ``num_tokens``): their weights and ids
-    stored at ``token * TOP_K + k``. The routing kernel's body, and the first step of the one-program alignment
-    (kernels/align.py) and of the decode's preparation (kernels/decode.py).
+    stored at pair ``token * TOP_K + k``; returns the [BLOCK_T, TOP_K rounded up to a power of two] pair indices,
+    ids (-1 where nothing was stored) and the stored mask, for a caller that aligns them. The routing kernel's
+    body, and the first step of the alignment (kernels/align.py) and of the decode's preparation
+    (kernels/decode.py).
 
-    Each round's choice is stored straight from the reduced vectors. A single pass that gathered the choices into
-    a [BLOCK_T, TOP_K] tensor and stored it once measured 1.1-1.8 us slower at 128 experts on the H200 than this
-    form had in an earlier run (benchmarks/KERNEL_NOTES.md item 18), so renormalising keeps its first pass that
-    only sums the choices."""
+    One bitonic top-k (``tl.topk``) over packed int64 keys, the probability's bits above the complement of the
+    expert id: a non-negative fp32 orders as its bits, so the largest key is the largest probability and, among
+    equal ones, the lowest expert id (``torch.topk``'s choice). It replaced ``TOP_K`` dependent rounds of two
+    reductions each (twice ``TOP_K`` with renormalisation), whose latency made the routing of 16 tokens over 128
+    experts most of a 7 us launch (benchmarks/KERNEL_NOTES.md item 19)."""
+    K_POW: tl.constexpr = _pow2_at_least(TOP_K)  # tl.topk takes a power of two; the columns past TOP_K are unused
     tokens = first_token + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     valid = (tokens[:, None] < num_tokens) & (experts[None, :] < num_experts)
@@ -36,26 +46,23 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     row_max = tl.where(tokens < num_tokens, tl.max(logits, axis=1), 0.0)  # padding rows stay finite
     exps = tl.where(valid, tl.exp(logits - row_max[:, None]), 0.0)
     probs = exps / tl.maximum(tl.sum(exps, axis=1), 1e-30)[:, None]
-    # Experts already taken are set to -1 so they lose every later argmax (probabilities are >= 0).
-    # NaN never equals the max, which would select no expert at all: a NaN probability loses like a taken one.
-    candidates = tl.where(valid & (probs == probs), probs, -1.0)
-    total = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
+    # A NaN probability (and a padding expert) gets key -1, below every real one: it is chosen only when nothing
+    # else is left, and then as expert 0 with weight 0, so a broken row still reads inside the stack.
+    keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - experts[None, :]).to(tl.int64)
+    keys = tl.where(valid & (probs == probs), keys, -1)
+    best = tl.topk(keys, K_POW, dim=1)  # [BLOCK_T, K_POW], descending
+    chosen = best >= 0
+    ids = tl.where(chosen, BLOCK_E - 1 - (best & 0xFFFF).to(tl.int32), 0)
+    weights = tl.where(chosen, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    columns = tl.arange(0, K_POW)[None, :]
     if RENORMALIZE:
-        remaining = candidates
-        total = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for _ in tl.static_range(TOP_K):
-            best = tl.max(remaining, axis=1)
-            best_id = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
-            remaining = tl.where(experts[None, :] == best_id[:, None], -1.0, remaining)
-            total += best
-    remaining = candidates
-    for k in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=1)
-        best_id = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
-        remaining = tl.where(experts[None, :] == best_id[:, None], -1.0, remaining)
-        tl.store(weights_ptr + tokens * TOP_K + k, best / total, mask=tokens < num_tokens)
-        safe_id = tl.minimum(best_id, num_experts - 1)  # an all-NaN row still yields a valid expert id
-        tl.store(ids_ptr + tokens * TOP_K + k, safe_id.to(tl.int32), mask=tokens < num_tokens)
+        total = tl.sum(tl.where(columns < TOP_K, weights, 0.0), axis=1)
+        weights = weights / tl.where(total > 0.0, total, 1.0)[:, None]  # a padding row's total is 0
+    pairs = tokens[:, None] * TOP_K + columns
+    stored = (tokens[:, None] < num_tokens) & (columns < TOP_K)
+    tl.store(weights_ptr + pairs, weights, mask=stored)
+    tl.store(ids_ptr + pairs, ids, mask=stored)
+    return pairs, tl.where(stored, ids, -1), stored
 
 
 @triton.jit
@@ -95,22 +102,20 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     Returns ``(topk_weights fp32 [M, k], topk_ids int32 [M, k])``, sorted by descending weight.
     """
     router_logits, weights, ids = route_outputs(router_logits, top_k)
+    route_into(router_logits, weights, ids, top_k, renormalize)
+    return weights, ids
+
+
+def route_into(
+    router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, top_k: int, renormalize: bool
+) -> None:
+    """The routing kernel from the checked logits into the outputs of :func:`route_outputs`: one program per
+    routing step of tokens (:func:`token_block`)."""
     num_tokens, num_experts = router_logits.shape
     if num_tokens == 0:
-        return weights, ids
-    block_e = triton.next_power_of_2(num_experts)
+        return
     block_t = token_block(num_experts)
-    grid = (triton.cdiv(num_tokens, block_t),)
-    _route_kernel[grid](
-        router_logits,
-        weights,
-        ids,
-        num_tokens,
-        num_experts,
-        router_logits.stride(0),
-        TOP_K=top_k,
-        RENORMALIZE=renormalize,
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
-    )
-    return weights, ids
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), TOP_K=top_k,
+        RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(num_experts),
+    )  # fmt: skip

@@ -374,6 +374,11 @@ def child(argv: list[str]) -> int:
 def run_child(args: list[str], out: Path, timeout_s: float, log_path: Path) -> dict:
     """One job in a process (and process group) of its own, killed whole at ``timeout_s``."""
     env = {**os.environ, "OMP_NUM_THREADS": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if args[0] == "case" and args[1] in MLA:
+        # vLLM's V1 model runner: 0.26 puts DeepseekV2ForCausalLM on its V2 runner, whose start-up warm-up runs a
+        # two-token prefill, and DeepSeek's MLA prefill is FlashAttention, which the carried build has no GPU code
+        # for (DeepSeek-V2 died in _vllm_fa2_C.varlen_fwd at start-up; DeepSeek-V3, on the V1 runner, passed).
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     command = [sys.executable, "-m", "tests.gpu.vllm_agreement", "child", *args, str(out)]
     with open(log_path, "w") as handle:
         process = subprocess.Popen(
@@ -418,8 +423,13 @@ class Record:
             self._write()
 
     def _append_log(self, tag: str, log_path: Path) -> None:
+        """The tail in gpu_vllm_failed.log (what failed), the whole log (its first 1 MB) in failed/<tag>.log: a
+        tail alone showed a traceback but not which step of the engine reached it."""
+        text = log_path.read_text(errors="replace")
         with open(self.out_dir / "gpu_vllm_failed.log", "a") as handle:
-            handle.write(f"----- log of {tag} (last 6000 characters)\n{log_path.read_text()[-6000:]}\n")
+            handle.write(f"----- log of {tag} (last 6000 characters; all of it: failed/{tag}.log)\n{text[-6000:]}\n")
+        (self.out_dir / "failed").mkdir(exist_ok=True)
+        (self.out_dir / "failed" / f"{tag}.log").write_text(text[: 1 << 20])
 
     def _write(self) -> None:
         results = list(self.results.values())

@@ -36,17 +36,23 @@ def _worker() -> None:
 
     for experts in EXPERTS:
         block_e = triton.next_power_of_2(experts)
-        tile_b = max(16, align.SCAN_TILE // block_e)
-        route = dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=routing.token_block(experts), BLOCK_E=block_e)
-        one = dict(route, BLOCK_M=16, PAIRS=align.MAX_CHUNK, FILL=1024, TILE_B=tile_b)
-        sizes = dict(BLOCK_E=block_e, CHUNK=align.MAX_CHUNK)
+        route = dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=block_e)
+        one_t = align.one_program_tokens(experts, 8)
+        one = dict(route, BLOCK_M=16, PAIRS=align.MAX_CHUNK, FILL=1024)
+        step = dict(route, BLOCK_T=routing.token_block(experts))
+        chunk = dict(BLOCK_E=block_e, CHUNK=align.MAX_CHUNK, PAIRS=align.MAX_CHUNK, FILL=1024)
+        routed_chunk = dict(chunk, CHUNK=8 * step["BLOCK_T"], PAIRS=8 * step["BLOCK_T"])
+        tile_c = align.SCAN_TILE // block_e
+        scan = dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=tile_c, FILL=1024)
         kernels = {  # name: kernel, constexprs, warps (as align._align launches them)
-            "one_program": (align._one_program_kernel, dict(one, ROUTE=False), 8),
-            "one_program routed": (align._one_program_kernel, dict(one, ROUTE=True), 8),
-            "count": (align._count_kernel, dict(sizes, FILL=1024), 4),
-            "scan": (align._scan_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=align.SCAN_TILE // block_e), 4),
-            "scatter": (align._scatter_kernel, dict(sizes, BLOCK_M=128, TILE_B=tile_b), 4),
-            "route": (routing._route_kernel, route, 4),
+            "one_program": (align._one_program_kernel, dict(one, ROUTE=False, BLOCK_T=1), 8),
+            "one_program routed": (align._one_program_kernel, dict(one, ROUTE=True, BLOCK_T=one_t), 4),
+            "count": (align._count_kernel, dict(route, **chunk, ROUTE=False, BLOCK_T=1), 4),
+            "count routed": (align._count_kernel, dict(step, **routed_chunk, ROUTE=True), 4),
+            "scan": (align._scan_kernel, scan, 4),
+            "scatter": (align._scatter_kernel, dict(chunk, SCAN=False, BLOCK_M=128, TILE_C=tile_c), 4),
+            "scatter scanning": (align._scatter_kernel, dict(routed_chunk, SCAN=True, BLOCK_M=16, TILE_C=tile_c), 4),
+            "route": (routing._route_kernel, step, 4),
         }
         for name, (kernel, constexprs, warps) in kernels.items():
             types = {"logits_ptr": "*fp16", "weights_ptr": "*fp32"}
@@ -66,11 +72,11 @@ def test_glue_kernels_compile_for_sm90():
     from tests.support.sm90 import SM90_SHARED_LIMIT, run_compile_worker
 
     results = run_compile_worker(__file__, timeout=600)
-    assert len(results) == 6 * len(EXPERTS) + 2
+    assert len(results) == 8 * len(EXPERTS) + 2
     assert all(r["shared"] <= SM90_SHARED_LIMIT for r in results), results
-    # The scan and the routing kernel spill a little at four warps as measured (eight warps made the scan 1.9x
-    # slower: KERNEL_NOTES item 18); the cap catches a regression, zero holds for everything else.
-    measured_spills = {"scan": 400, "route": 400}
+    # The scan spills a little at four warps as measured (eight warps made it 1.9x slower: KERNEL_NOTES item 18);
+    # the cap catches a regression, zero holds for everything else (the bitonic routing included).
+    measured_spills = {"scan": 400}
     assert all(r["spills"] <= measured_spills.get(r["kernel"], 0) for r in results), [r for r in results if r["spills"]]
 
 

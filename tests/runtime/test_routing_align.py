@@ -130,6 +130,17 @@ def test_align_matches_a_python_reference(device, tokens, top_k, experts, block_
     assert_aligned(align_pairs(ids.to(device), experts, block_m), ids, experts, block_m)
 
 
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m", "kind"), [ALIGN_CASES[4], ALIGN_CASES[6]])
+def test_align_with_the_scan_launch(device, monkeypatch, tokens, top_k, experts, block_m, kind):
+    """The scan in a launch of its own (taken past one tile of per-chunk counts) gives the same alignment."""
+    from repack.runtime.kernels import align
+
+    monkeypatch.setattr(align, "SCAN_IN_SCATTER", False)
+    gen = torch.Generator().manual_seed(tokens * experts + block_m)
+    ids = routing(kind, tokens, top_k, experts, gen).to(torch.int32)
+    assert_aligned(align_pairs(ids.to(device), experts, block_m), ids, experts, block_m)
+
+
 def test_align_skips_ids_outside_the_stack(device):
     """An id outside [0, E) (a caller's bug) has no segment: it is not placed, and nothing else is overwritten."""
     ids = torch.tensor([[0, 5], [-1, 1], [1, 0]], dtype=torch.int32)
@@ -144,17 +155,24 @@ def test_align_skips_ids_outside_the_stack(device):
     [
         (3, 8, 2, 16, True),
         (16, 256, 8, 16, True),
+        (16, 128, 8, 16, True),
+        (65, 128, 8, 16, True),
         (128, 128, 8, 16, True),
         (300, 64, 6, 64, False),
         (1100, 60, 4, 128, False),
+        (1200, 128, 8, 16, True),
     ],  # fmt: skip
 )
 def test_route_and_align_is_route_then_align(device, tokens, experts, top_k, block_m, renormalize):
-    """The routed alignment (one launch for a routing step's tokens, 16 here, 8 at 256 experts; the routing kernel
-    then the alignment for more) gives route()'s weights and ids and their alignment."""
-    from repack.runtime.kernels.align import route_and_align, routes_in_alignment
+    """The routed alignment (the one program up to 16 tokens at 128 experts; past it the count programs route
+    their own chunks and the scatter programs scan the counts; past one tile of counts the routing kernel routes
+    first) gives route()'s weights and ids and their alignment."""
+    from repack.runtime.kernels.align import SCAN_TILE, one_program_tokens, route_and_align
+    from repack.runtime.kernels.routing import token_block
 
-    assert routes_in_alignment(tokens, top_k, experts) == (tokens <= (8 if experts == 256 else 16))
+    assert one_program_tokens(128, 8) == 16 and one_program_tokens(256, 8) == 8 and one_program_tokens(8, 2) == 64
+    if tokens == 1200:
+        assert -(-tokens // token_block(experts)) * 128 > SCAN_TILE  # the case routed by the routing kernel first
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(torch.float16)
     weights, ids, a = route_and_align(logits.to(device), top_k, renormalize, block_m)
     ref_w, ref_ids = route(logits.to(device), top_k, renormalize)
