@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from repack.runtime.kernel_config import Family, KernelConfig
+from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.common import TL_DTYPES, expert_of, projection_args, quant_params, word_mask
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.kernels.routing import route_tokens
@@ -536,6 +537,20 @@ def direct_mode(num_pairs: int, num_experts: int) -> bool:
     return num_pairs <= max(32, num_experts // 2) and num_pairs <= max(8, num_experts)
 
 
+GLUON_DECODE_HIDDEN = 6144  # from this hidden size up the Gluon kernels beat these at every M (DeepSeek-V3's 7168)
+
+
+def gluon_streams_better(call: Call) -> bool:
+    """Where the Gluon sm_90 kernels run the call, whether they beat these kernels even with few pairs, as measured
+    on the H200 (benchmarks/KERNEL_NOTES.md item 20, same process): a hidden size of GLUON_DECODE_HIDDEN or more
+    (DeepSeek-V3, M = 1..16: 9-18% faster), and few experts shared by many pairs (Mixtral M = 4: eight pairs on
+    about 5.5 distinct experts, each read once there and once per pair here: 218 against 250 us)."""
+    if not gluon_sm90.FAMILY.supports(call):
+        return False
+    experts = call.weights.num_experts
+    return call.weights.hidden_size >= GLUON_DECODE_HIDDEN or (experts < 32 and call.num_pairs > experts // 2)
+
+
 class Decode(KernelFamily):
     """Any stack (bits, word order, groups, act-order), one program per pair and BLOCK_N channels."""
 
@@ -546,9 +561,9 @@ class Decode(KernelFamily):
         return True
 
     def heuristic(self, call: Call) -> KernelConfig | None:
-        """While :func:`direct_mode`: few pairs leave most of the GPU idle, so slices of K give it programs
-        (KERNEL_NOTES.md item 10)."""
-        if not direct_mode(call.num_pairs, call.weights.num_experts):
+        """While :func:`direct_mode` and the Gluon kernels do not stream the call faster (:func:`gluon_streams_better`):
+        few pairs leave most of the GPU idle, so slices of K give it programs (KERNEL_NOTES.md item 10)."""
+        if not direct_mode(call.num_pairs, call.weights.num_experts) or gluon_streams_better(call):
             return None
         split = 4 if call.num_pairs <= 8 else 2 if call.num_pairs <= 16 else 1
         return KernelConfig(Family.DECODE, 16, 32, 128, 1, num_warps=1, num_stages=1, direct=True, split_k=split)

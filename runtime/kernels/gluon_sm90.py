@@ -24,7 +24,9 @@ instruction, or two sharing the block's activations over 256 rows for large batc
 - One inline-PTX sequence per word and chunk dequantizes two weights: LOP3, a packed add of ``-(bias + zero)``
   (exact), a packed multiply by the scale (one rounding, as GPTQModel's ``fp16(scale * (q - zero))``). fp16
   odd chunks keep their nibble four bits up and fold the shift into an FMA by 1/16 (exact), as the tl kernels do.
-  bf16 multiplies in fp32 by the exact scale and rounds once (four more instructions per two weights).
+  bf16 multiplies in fp32 by the exact scale and rounds once (four more instructions per two weights), except
+  in token tiles of up to 32 (:func:`scale_after`): there the MMA sums exact ``q - zero`` times x over each K
+  step and the step's fp32 sum is multiplied by the group's scale.
 - w13: gate rows ``n`` and up rows ``I + n`` of the same channels form one A tile of ``2 * BLOCK_N`` rows, so
   the epilogue splits one accumulator into ``silu(gate) * up``. w2: routing weight in fp32, then fp32 atomics
   into [M, H] (the top-k sum) or one row per pair.
@@ -77,6 +79,7 @@ GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": these kernels for every aligned tenso
 # Act-order stacks: each pair's row gathered once (kernels/act_order.py), then the plain kernels; False keeps the
 # in-loop column gather (the comparison benchmarks/probe_glue.py measures).
 ACT_ORDER_GATHER = True
+SCALE_AFTER_MAX_BLOCK_M = 32  # bf16 token tiles up to this scale each K step's sum (scale_after); 0: never
 
 
 def available() -> bool:
@@ -98,13 +101,15 @@ def reads(weights: MoeWeights) -> bool:
     return weights.mma_order and weights.bits == 4
 
 
-def heuristic_tile(num_pairs: int, num_experts: int) -> GluonTile:
+def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.float16) -> GluonTile:
     """A tile for a shape nobody tuned: the token tile follows the rows each expert gets; past 48 two warpgroups
-    share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16)."""
+    share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16). bf16 keeps the
+    32-token tile up to 48 rows per expert: it scales each K step's sum (:func:`scale_after`), the 64-token tile
+    each weight (Qwen2-57B M=256 on the H200: 533 against the tl kernels' 648 us, KERNEL_NOTES.md item 20)."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 8:
         return GluonTile(16, 64, 1)
-    if per_expert <= 24:
+    if per_expert <= (48 if dtype == torch.bfloat16 else 24):
         return GluonTile(32, 64, 4)
     if per_expert <= 48:
         return GluonTile(64, 64, 8)
@@ -120,15 +125,13 @@ def heuristic_reduce(dtype: torch.dtype) -> str:
     return "out" if dtype == torch.float16 else "pairs"
 
 
-def preferred(weights: MoeWeights, dtype: torch.dtype, num_pairs: int) -> bool:
-    """Whether these kernels beat the tl weight-major ones on an aligned call, as measured on the H200
-    (benchmarks/KERNEL_NOTES.md item 16): fp16 always; bf16 (four more instructions per two weights) from 48
-    rows per expert up. Act-order stacks run here as plain ones once their rows are gathered
-    (kernels/act_order.py, KERNEL_NOTES item 18); with the gather off, never (their column gather goes through
-    registers here)."""
-    if weights.w13_perm is not None and not ACT_ORDER_GATHER:
-        return False
-    return dtype == torch.float16 or num_pairs / max(1, weights.num_experts) > 48
+def preferred(weights: MoeWeights, dtype: torch.dtype) -> bool:
+    """Whether these kernels beat the tl weight-major ones on an aligned call, as measured on the H200: fp16 always
+    (benchmarks/KERNEL_NOTES.md item 16); bf16 too since its small token tiles scale each K step's sum instead of
+    each weight (item 20: Qwen2-57B M = 8..256 11-18% faster than the tl kernels; from 48 rows per expert it was
+    ahead before). Act-order stacks run here as plain ones once their rows are gathered (kernels/act_order.py,
+    KERNEL_NOTES item 18); with the gather off, never (their column gather goes through registers here)."""
+    return weights.w13_perm is None or ACT_ORDER_GATHER
 
 
 # Every tile heuristic_tile picks: the CPU compile test builds each for sm_90.
@@ -220,50 +223,61 @@ if available():
         return low | (low << 16)
 
     @gluon.jit
-    def _step_quant(scales_ptr, zeros_ptr, rows, row_mask, group, stride_s_g, HAS_ZEROS: gl.constexpr,
-                    SYM_ZERO: gl.constexpr, IS_FP16: gl.constexpr):  # fmt: skip
-        """Per row for one group: (scale, -(bias + zero), -(64 + zero)) as packed fp16x2 (fp16; bias 1024), or (fp32
-        scale, -(128 + zero) as bf16x2, unused) (bf16)."""
-        scale = gl.load(scales_ptr + group * stride_s_g + rows, mask=row_mask, other=0.0)
+    def _step_quant(scales_ptr, zeros_ptr, rows, row_mask, scale_rows, scale_mask, group, stride_s_g,
+                    HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, IS_FP16: gl.constexpr,
+                    SCALE_AFTER: gl.constexpr):  # fmt: skip
+        """Per row for one group: (scale, -(bias + zero), -(64 + zero)) packed as fp16x2 in the words' layout (fp16;
+        bias 1024), or (fp32 scale, -(128 + zero) as bf16x2, unused) (bf16). With SCALE_AFTER the scale is fp32 in the
+        accumulator's layout (``scale_rows``, ``scale_mask``): the step's sum is scaled, not each weight."""
+        if SCALE_AFTER:
+            scale = gl.load(scales_ptr + group * stride_s_g + scale_rows, mask=scale_mask, other=0.0)
+            scale_op = gl.expand_dims(scale.to(gl.float32), 1)
+        else:
+            scale = gl.load(scales_ptr + group * stride_s_g + rows, mask=row_mask, other=0.0)
+            if IS_FP16:
+                scale_op = gl.expand_dims(_pack2(scale.to(gl.int16, bitcast=True)), 1)
+            else:
+                scale_op = gl.expand_dims(scale.to(gl.float32).to(gl.int32, bitcast=True), 1)
         if HAS_ZEROS:
             zero = gl.load(zeros_ptr + group * stride_s_g + rows, mask=row_mask, other=0).to(gl.int32)
         else:
             zero = gl.full(rows.shape, SYM_ZERO, gl.int32, layout=rows.type.layout)
         if IS_FP16:
-            scale2 = _pack2(scale.to(gl.int16, bitcast=True))
             bias2 = _pack2((-(zero + 1024)).to(gl.float16).to(gl.int16, bitcast=True))
             odd2 = _pack2((-(zero + 64)).to(gl.float16).to(gl.int16, bitcast=True))
         else:
-            scale2 = scale.to(gl.float32).to(gl.int32, bitcast=True)
             bias2 = _pack2((-(zero + 128)).to(gl.bfloat16).to(gl.int16, bitcast=True))
             odd2 = bias2
-        return gl.expand_dims(scale2, 1), gl.expand_dims(bias2, 1), gl.expand_dims(odd2, 1)
+        return scale_op, gl.expand_dims(bias2, 1), gl.expand_dims(odd2, 1)
 
     @gluon.jit
     def _dequant_chunk(words, i: gl.constexpr, scale2, bias2, odd2, IS_FP16: gl.constexpr, DTYPE: gl.constexpr,
-                       BLOCK_M: gl.constexpr):  # fmt: skip
-        """Chunk ``4g + i`` of half-step words [rows, 8] as the [rows, 16] wgmma A operand (see module doc)."""
+                       BLOCK_M: gl.constexpr, SCALE_AFTER: gl.constexpr):  # fmt: skip
+        """Chunk ``4g + i`` of half-step words [rows, 8] as the [rows, 16] wgmma A operand (see module doc): exact
+        ``q - zero`` with SCALE_AFTER (|q - zero| <= 15, exact in fp16 and bf16), else times the scale."""
         if IS_FP16:
             src = words if i < 2 else words >> 8
             if i % 2 == 0:
-                asm: gl.constexpr = (
-                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
-                    "add.f16x2 t, t, $4; mul.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }"
-                )
+                FIELDS: gl.constexpr = "lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; add.f16x2 t, t, $4; "
             else:  # fields four bits up: 1024 + 16q, times 1/16 is 64 + q (exact)
-                asm: gl.constexpr = (
-                    "{ .reg .b32 t, s; mov.b32 s, 0x2C002C00; lop3.b32 t, $2, 0x00F000F0, 0x64006400, 0xEA; "
-                    "fma.rn.f16x2 t, t, s, $5; mul.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }"
+                FIELDS: gl.constexpr = (
+                    "mov.b32 s, 0x2C002C00; lop3.b32 t, $2, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 t, t, s, $5; "
                 )
+            SCALE: gl.constexpr = "" if SCALE_AFTER else "mul.f16x2 t, t, $3; "
         else:
             src = words >> (4 * i) if i > 0 else words
-            # q - zero is exact in bf16; widened to fp32 (a shift, a mask), times the exact fp32 scale, rounded
-            # once: a bf16-rounded scale would be one systematic error per row and group (5e-3 relative).
-            asm: gl.constexpr = (
-                "{ .reg .b32 t, l, h; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; add.rn.bf16x2 t, t, $4; "
-                "shl.b32 l, t, 16; and.b32 h, t, 0xFFFF0000; mul.f32 l, l, $3; mul.f32 h, h, $3; "
-                "cvt.rn.bf16x2.f32 t, h, l; mov.b32 {$0, $1}, t; }"
+            FIELDS: gl.constexpr = "lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; add.rn.bf16x2 t, t, $4; "
+            # Widened to fp32 (a shift, a mask), times the exact fp32 scale, rounded once: a bf16-rounded scale would
+            # be one systematic error per row and group (5e-3 relative).
+            SCALE: gl.constexpr = (
+                ""
+                if SCALE_AFTER
+                else "shl.b32 l, t, 16; and.b32 h, t, 0xFFFF0000; mul.f32 l, l, $3; mul.f32 h, h, $3; "
+                "cvt.rn.bf16x2.f32 t, h, l; "
             )
+        asm: gl.constexpr = "{ .reg .b32 t, s, l, h; " + FIELDS + SCALE + "mov.b32 {$0, $1}, t; }"
+        if SCALE_AFTER:  # the scale is not an operand (and lives in the accumulator's layout)
+            scale2 = bias2
         lo, hi = gl.inline_asm_elementwise(
             asm, "=h,=h,r,r,r,r", [src, scale2, bias2, odd2], dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1
         )
@@ -313,7 +327,7 @@ if available():
     def _k_loop(w_rows, w_ok, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask, perm_row_ptr, K,
                 stride_s_g, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
                 HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr,
-                STAGES: gl.constexpr):  # fmt: skip
+                STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr):  # fmt: skip
         """acc [ROWS, BLOCK_M] = W[rows, :] @ X[:, pairs] for one program: the loop both GEMMs share.
 
         A ring of STAGES K steps (words and activations, cp.async) runs STAGES - 2 steps ahead of the MMAs: the
@@ -324,9 +338,13 @@ if available():
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         x_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_SMEM_LAYOUT)
-        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=acc_layout(BLOCK_M, gl.num_warps()))
-        scale2, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, 0, stride_s_g, HAS_ZEROS, SYM_ZERO,
-                                          IS_FP16)  # fmt: skip
+        ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
+        scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
+        scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
+        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
+        part = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
+        scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, 0, stride_s_g,
+                                         HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
         num_steps = K // 128  # steps clamp in step units: their word offsets stay 64-byte aligned (16-byte copies)
         AHEAD: gl.constexpr = STAGES - 2  # steps in flight; one more stage is still read by the last wgmma
         for s in gl.static_range(AHEAD):
@@ -335,8 +353,8 @@ if available():
             async_copy.commit_group()
         for step in range(num_steps):
             k_next = gl.minimum(step + 1, num_steps - 1) * 128
-            next_quant = _step_quant(scales_e, zeros_e, rows, rows_ok, k_next // GROUP_LEN, stride_s_g,
-                                     HAS_ZEROS, SYM_ZERO, IS_FP16)  # fmt: skip
+            next_quant = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, k_next // GROUP_LEN,
+                                     stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
             async_copy.wait_group(AHEAD - 1)  # this step's stage has landed (this thread's copies)
             fence_async_shared()
             # One barrier per step: every thread's copies of this step have landed, and every thread is done
@@ -354,11 +372,23 @@ if available():
             x_stage = x_smem.index(here)
             for c in gl.static_range(8):
                 words = low if c < 4 else high
-                a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, dtype, BLOCK_M)
-                acc = warpgroup_mma(a, _x_chunk(x_stage, c, BLOCK_M), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            scale2, bias2, odd2 = next_quant
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                a = _dequant_chunk(words, c % 4, scale, bias2, odd2, IS_FP16, dtype, BLOCK_M, SCALE_AFTER)
+                b = _x_chunk(x_stage, c, BLOCK_M)
+                if not SCALE_AFTER:
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+                elif c > 0:
+                    part = warpgroup_mma(a, b, part, is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
+                else:  # the step's sum starts from this chunk
+                    part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
+            if SCALE_AFTER:  # the step's last MMA done, its sum scaled once per element
+                part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
+                acc = acc + part * scale
+            scale, bias2, odd2 = next_quant
+        if not SCALE_AFTER:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
         return acc
 
@@ -415,6 +445,7 @@ if available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         HAS_PERM: gl.constexpr, ZERO_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        SCALE_AFTER: gl.constexpr,
     ):  # fmt: skip
         """inter[pair, n] = silu(gate_n . x) * (up_n . x): gate rows then up rows of BLOCK_N channels form one
         A tile of 2 * BLOCK_N rows, split by the epilogue. With ZERO_OUT, also ``zero_ptr[:zero_numel] = 0``."""
@@ -437,7 +468,7 @@ if available():
             acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K,
                           K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM,
-                          STAGES)  # fmt: skip
+                          STAGES, SCALE_AFTER)  # fmt: skip
             gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
             act = gl.convert_layout(gate / (1.0 + gl.exp(-gate)) * up, OUT_LAYOUT)
             offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
@@ -455,6 +486,7 @@ if available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        SCALE_AFTER: gl.constexpr,
     ):  # fmt: skip
         """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
@@ -471,7 +503,7 @@ if available():
             acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K,
                           stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False,
-                          STAGES)  # fmt: skip
+                          STAGES, SCALE_AFTER)  # fmt: skip
             acc = gl.convert_layout(acc, OUT_LAYOUT)
             out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
             live_pairs = out_pairs < num_pairs
@@ -494,8 +526,18 @@ if available():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def scale_after(tile: GluonTile, dtype: torch.dtype) -> bool:
+    """Whether ``tile``'s K steps sum exact ``q - zero`` times x and scale each step's fp32 sum once per accumulator
+    element, for one more accumulator's registers: bf16 token tiles up to SCALE_AFTER_MAX_BLOCK_M, where it takes
+    five of the seven instructions per two weights away (M = 16..256 11-18% faster on the H200, and exact); in fp16
+    it saves one of three and measured within +-5% either way, so fp16 keeps the scale in the dequantization
+    (benchmarks/KERNEL_NOTES.md item 20)."""
+    return dtype == torch.bfloat16 and tile.block_m <= SCALE_AFTER_MAX_BLOCK_M
+
+
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,
-                     has_perm: bool = False, atomic: bool = False, zero_out: bool = False) -> dict:  # fmt: skip
+                     has_perm: bool = False, atomic: bool = False, zero_out: bool = False,
+                     dtype: torch.dtype = torch.float16) -> dict:  # fmt: skip
     """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`launch` launches
     and the CPU compile test (tests/runtime/test_gluon_compile_sm90.py) builds. The layouts are the kernels' own."""
     flags = dict(HAS_PERM=has_perm, ZERO_OUT=zero_out) if kernel == "w13" else dict(ATOMIC=atomic)
@@ -509,6 +551,7 @@ def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int
         BLOCK_N=tile.block_n if kernel == "w13" else tile.w2_rows,
         GROUP_M=tile.group_m,
         STAGES=tile.stages,
+        SCALE_AFTER=scale_after(tile, dtype),
         num_warps=tile.warps,
     )
 
@@ -545,14 +588,14 @@ def launch(
         target.numel() if zero_out else 0,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
         **launch_constants(tile, "w13", top_k=1 if x_per_pair else top_k, group_len=weights.group_len(h),
-                           has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out),
+                           has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out, dtype=x.dtype),
     )  # fmt: skip
     grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](
         inter, w2, s2, zeros2, route_w, target, *row_args, h, n_inter,
         inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), target.stride(0),
         **launch_constants(tile, "w2", top_k=top_k, group_len=weights.group_len(n_inter), has_zeros=has_zeros,
-                           atomic=atomic),
+                           atomic=atomic, dtype=x.dtype),
     )  # fmt: skip
 
 
@@ -579,9 +622,10 @@ class GluonSm90(KernelFamily):
         tile, reduce = config.gluon, config.reduce
         if tile is None:
             asked = os.environ.get(GLUON_ENV, "") == "1"
-            if not asked and not preferred(call.weights, call.dtype, call.num_pairs):
+            if not asked and not preferred(call.weights, call.dtype):
                 return None
-            tile, reduce = heuristic_tile(call.num_pairs, call.weights.num_experts), heuristic_reduce(call.dtype)
+            tile = heuristic_tile(call.num_pairs, call.weights.num_experts, call.dtype)
+            reduce = heuristic_reduce(call.dtype)
         return replace(config, family=self.family, gluon=tile, reduce=reduce)
 
     def heuristic(self, call: Call) -> KernelConfig | None:

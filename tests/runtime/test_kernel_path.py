@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -77,12 +76,17 @@ def test_gluon_runs_only_on_an_sm90_gpu(monkeypatch):
 
 
 def test_a_gluon_config_without_a_tile_runs_them_where_they_measured_faster(sm90, monkeypatch):
-    """fp16 always, bf16 past 48 rows per expert, act-order as plain stacks while its rows are gathered first
-    (gluon_sm90.ACT_ORDER_GATHER): gluon_sm90.preferred; with the heuristic's tile and top-k sum."""
+    """fp16 and bf16, act-order as plain stacks while its rows are gathered first (gluon_sm90.ACT_ORDER_GATHER):
+    gluon_sm90.preferred; with the heuristic's tile and top-k sum (bf16 keeping the 32-token tile, which scales
+    each K step's sum, up to 48 rows per expert)."""
     stack = zero_stack()
     assert family(stack, GLUON, FP16, 16) is Family.GLUON_SM90
-    assert family(stack, GLUON, BF16, 2 * 48) is Family.WEIGHT_MAJOR  # two experts, 48 rows each
-    assert family(stack, GLUON, BF16, 2 * 49) is Family.GLUON_SM90
+    for pairs in (2, 2 * 48, 2 * 49):  # two experts
+        assert family(stack, GLUON, BF16, pairs) is Family.GLUON_SM90
+    bf16 = choose_family(stack, KernelConfig.from_dict(GLUON), CPU, BF16, 2 * 48)[1]
+    assert bf16.gluon == GluonTile(32, 64, 4) and gluon_sm90.scale_after(bf16.gluon, BF16)
+    assert choose_family(stack, KernelConfig.from_dict(GLUON), CPU, FP16, 2 * 48)[1].gluon == GluonTile(64, 64, 8)
+    assert not gluon_sm90.scale_after(GluonTile(16, 64, 1), FP16) and not gluon_sm90.scale_after(bf16.gluon, FP16)
     planned = choose_family(stack, KernelConfig.from_dict(GLUON), CPU, FP16, 2 * 49)[1]
     assert planned.gluon == gluon_sm90.heuristic_tile(98, 2) == GluonTile(128, 128, 8, 4, 8)
     assert planned.reduce == gluon_sm90.heuristic_reduce(FP16) == "out"
@@ -124,7 +128,7 @@ def test_the_spelling_before_family_reads_as_it_ran(sm90):
     assert KernelConfig.from_dict(dict(TILE, NIBBLE_DOTS=True)) == KernelConfig.from_dict(
         dict(TILE, FAMILY="gptq_order")
     )
-    assert family(zero_stack(), old, BF16, 16) is Family.WEIGHT_MAJOR
+    assert family(zero_stack(), old, BF16, 16) is Family.GLUON_SM90
     assert family(zero_stack(), old, FP16, 16) is Family.GLUON_SM90
     assert family(zero_stack(), dict(old, PORTABLE=True), FP16, 16) is Family.WEIGHT_MAJOR
     with pytest.raises(RepackError, match="PORTABLE .* contradicts a GLUON tile"):
@@ -184,8 +188,7 @@ def test_heuristic_tiles_are_shipped():
 @pytest.mark.parametrize("m", [1, 4, 8, 16, 48, 64, 200, 256, 1024, 4096])
 def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm90, m):
     """Qwen1.5-MoE's table (E=60, I=1408, top-4) on an H200 with the Gluon kernels: decode entries run decode; the
-    tensor-core entries run the Gluon heuristic's tile and sum in fp16 (and in bf16 past 48 rows per expert) and
-    their own weight-major tile otherwise, as they did when those entries said WEIGHT_MAJOR."""
+    tensor-core entries run the Gluon heuristic's tile and sum, fp16 and bf16."""
     from repack.runtime import kernel_config
     from repack.runtime.kernel_config import load_configs
 
@@ -202,13 +205,31 @@ def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm9
         assert kernel_config.get_config(stack, m, 4, dtype, x.device) == entry  # the old name answers too
         if entry.family is Family.DECODE:
             assert plan.family.family is Family.DECODE and plan.config == entry and plan.block_m is None
-        elif dtype == FP16 or m * 4 / 60 > 48:
-            assert plan.family.family is Family.GLUON_SM90 and plan.config.gluon == gluon_sm90.heuristic_tile(m * 4, 60)
-            assert (
-                plan.config.reduce == gluon_sm90.heuristic_reduce(dtype) and plan.block_m == plan.config.gluon.block_m
-            )
         else:
-            assert plan.family.family is Family.WEIGHT_MAJOR and plan.config == replace(
-                entry, family=Family.WEIGHT_MAJOR
-            )
-            assert plan.block_m == entry.block_m
+            tile = gluon_sm90.heuristic_tile(m * 4, 60, dtype)
+            assert plan.family.family is Family.GLUON_SM90 and plan.config.gluon == tile
+            assert plan.config.reduce == gluon_sm90.heuristic_reduce(dtype) and plan.block_m == tile.block_m
+
+
+def test_decode_leaves_few_pairs_to_gluon_where_gluon_streams_them_faster(sm90, monkeypatch):
+    """decode.gluon_streams_better: a hidden size of 6144 or more (DeepSeek-V3's 7168) at every M, and few experts
+    shared by more pairs than half of them (Mixtral at M = 4); elsewhere direct_mode decides as before, and without
+    the Gluon kernels ($REPACK_PORTABLE_KERNELS, a CPU, another GPU) nothing changes."""
+    from repack.runtime.fused_moe import heuristic_config
+    from repack.runtime.kernels.family import Call
+
+    meta = lambda *shape: torch.empty(shape, dtype=torch.int32, device="meta")  # noqa: E731
+
+    def stack(experts: int, hidden: int) -> MoeWeights:
+        return MoeWeights(meta(experts, 256, hidden // 8), meta(experts, hidden // 128, 256), meta(experts, hidden, 16),
+                          meta(experts, 1, hidden), bits=4, group_size=128, word_order=MMA128_ORDER)  # fmt: skip
+
+    def picked(weights: MoeWeights, pairs: int) -> Family:
+        return heuristic_config(Call(weights, torch.device("cuda"), FP16, pairs)).family
+
+    dsv3, mixtral, qwen = stack(256, 7168), stack(8, 4096), stack(128, 2048)
+    assert picked(dsv3, 8) is Family.GLUON_SM90 and picked(dsv3, 128) is Family.GLUON_SM90
+    assert picked(mixtral, 4) is Family.DECODE and picked(mixtral, 8) is Family.GLUON_SM90
+    assert picked(qwen, 8) is Family.DECODE and picked(qwen, 64) is Family.DECODE
+    monkeypatch.setenv(PORTABLE_ENV, "1")
+    assert picked(dsv3, 8) is Family.DECODE and picked(mixtral, 8) is Family.DECODE
