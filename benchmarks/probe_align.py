@@ -1,6 +1,6 @@
 """Probe: the routed alignment alone (``route_and_align``: router logits in, sorted blocks out), launch by launch.
 
-    python -m benchmarks.probe_align --anchor benchmarks/results/anchor_v2.json [--variants ...] [--out DIR]
+    python -m benchmarks.probe_align --anchor benchmarks/results/anchor_v3.json [--variants ...] [--out DIR]
 
 The cells are the anchor run's tensor-core cells (model, M and the BLOCK_M its project call used, read from the
 anchor's results), so each time here is the glue of a call measured beside Marlin. Variants switch
@@ -9,7 +9,11 @@ kernels/align.py's choices (module constants), all in one process:
 - ``default``: as shipped;
 - ``one-program-64``: the one program routes up to 64 tokens (``ONE_PROGRAM_LOGITS`` = 8192, up to 16 warps);
 - ``scan-launch``: the scan of the per-chunk counts in a launch of its own (``SCAN_IN_SCATTER`` off);
-- ``half-step``: count programs of half a routing step's tokens (twice the programs, half the logits each).
+- ``half-step``: count programs of half a routing step's tokens (twice the programs, half the logits each);
+- ``full-step``: count programs of a whole routing step (``HALF_STEP_MAX_CHUNKS`` 0, the form before
+  KERNEL_NOTES item 22);
+- ``warps-x2``, ``warps-x4``: routing programs on 256 / 128 logits per warp; ``warps-before``: 512 everywhere (the
+  form before item 22); ``one-program-64-x2``, ``half-step-x2``: those two on 256 a warp.
 
 Every variant of every cell is checked first (the ids against torch's softmax top-k, ties allowed; the weights
 within 1e-5; every pair in one block of its own expert, the block count exact), then timed as a CUDA graph of
@@ -42,7 +46,14 @@ VARIANTS = {
     "default": {},
     "one-program-64": {"ONE_PROGRAM_LOGITS": 8192},  # the one program routing up to 64 tokens on up to 16 warps
     "scan-launch": {"SCAN_IN_SCATTER": False},
-    "half-step": {"token_block": _half_step},  # count programs of half a routing step's tokens
+    "half-step": {"token_block": _half_step},  # count programs of half a routing step's tokens (then halved again)
+    "full-step": {"HALF_STEP_MAX_CHUNKS": 0},  # count programs of a whole routing step's tokens (before item 22)
+    # Routing programs on more warps (routing.ROUTE_LOGITS_PER_WARP: 512 logits a warp by default)
+    "warps-x2": {"routing.ROUTE_LOGITS_PER_WARP": 256},
+    "warps-x4": {"routing.ROUTE_LOGITS_PER_WARP": 128},
+    "one-program-64-x2": {"ONE_PROGRAM_LOGITS": 8192, "routing.ROUTE_LOGITS_PER_WARP": 256},
+    "half-step-x2": {"token_block": _half_step, "routing.ROUTE_LOGITS_PER_WARP": 256},
+    "warps-before": {"routing.ROUTE_LOGITS_PER_WARP": 512, "routing.UNALIGNED_LOGITS_PER_WARP": 512},
 }
 CALLS = 20  # calls per graph: the launches of one call are microseconds, a replay's own cost is amortised
 REPLAYS = 50
@@ -50,16 +61,20 @@ REPLAYS = 50
 
 @contextlib.contextmanager
 def switches(values: dict):
-    from repack.runtime.kernels import align
+    """Module constants switched for one variant: ``NAME`` in kernels/align.py, ``routing.NAME`` in routing.py."""
+    from repack.runtime.kernels import align, routing
 
-    saved = {name: getattr(align, name) for name in values}
+    def place(name: str):
+        return (routing, name.split(".", 1)[1]) if name.startswith("routing.") else (align, name)
+
+    saved = {name: getattr(*place(name)) for name in values}
     for name, value in values.items():
-        setattr(align, name, value)
+        setattr(*place(name), value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(align, name, value)
+            setattr(*place(name), value)
 
 
 def anchor_cells(path: Path) -> list[dict]:
@@ -153,7 +168,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--anchor", type=Path, default=Path(__file__).parent / "results" / "anchor_v2.json")
+    parser.add_argument("--anchor", type=Path, default=Path(__file__).parent / "results" / "anchor_v3.json")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--budget-s", type=float, default=200.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))

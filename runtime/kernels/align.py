@@ -37,7 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernels.routing import route_into, route_outputs, route_tokens, token_block
+from repack.runtime.kernels.routing import (
+    route_into,
+    route_outputs,
+    route_tokens,
+    route_warps,
+    rows_aligned,
+    token_block,
+)
 
 MAX_CHUNK = 1024  # pairs one program places (the one-program path), and an unrouted chunk's pairs
 SCAN_TILE = 8192  # elements of one [chunks, E] tile of counts: a scatter program scans them itself up to this
@@ -47,6 +54,10 @@ SCAN_TILE = 8192  # elements of one [chunks, E] tile of counts: a scatter progra
 ONE_PROGRAM_TOKENS = 64
 ONE_PROGRAM_LOGITS = 2048
 SCAN_IN_SCATTER = True  # the scatter programs scan the counts themselves where they fit one tile (no scan launch)
+# Routed count programs take half a routing step of tokens while that makes at most this many chunks: twice the
+# programs, each half as long on the critical path, and the scatter still scans a small tile (H200, KERNEL_NOTES.md
+# item 22: Qwen3-30B M = 64 count 3.4 -> 2.7 us, M = 256 3.5 -> 2.7; at 128 chunks the scan cost more than it saved).
+HALF_STEP_MAX_CHUNKS = 32
 
 
 @dataclass
@@ -227,11 +238,12 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     ids_flat = ids.view(-1)
     logits, weights, renormalize = routing if routing else (ids_flat, ids_flat, False)  # unread without ROUTE
     stride_logits = logits.stride(0) if routing else 0
+    aligned = rows_aligned(logits) if routing else True
     route = dict(ROUTE=routing is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e)
     if num_pairs <= MAX_CHUNK and (routing is None or num_tokens <= one_program_tokens(num_experts, top_k)):
         block_t = triton.next_power_of_2(num_tokens)
-        # Warps: 4 per 2048 router logits; without routing 8 from 512 pairs on (measured faster there).
-        warps = max(4, min(16, block_t * block_e // 512)) if routing else (8 if num_pairs >= 512 else 4)
+        # Warps: routing.route_warps; without routing 8 from 512 pairs on (measured faster there).
+        warps = route_warps(block_t * block_e, aligned) if routing else (8 if num_pairs >= 512 else 4)
         scratch = torch.empty(block_e + 1, dtype=torch.int32, device=device)  # cursors [BLOCK_E], num_blocks [1]
         _one_program_kernel[(1,)](
             logits, weights, ids_flat, scratch, sorted_pairs, block_experts, scratch[-1:], num_tokens, num_experts,
@@ -245,7 +257,9 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
         route_into(logits, weights, ids_flat, top_k, renormalize)
         routing, route["ROUTE"] = None, False
     if routing is not None:
-        block_t = token_block(num_experts)  # one routing step per chunk
+        block_t = token_block(num_experts)  # one routing step per chunk, or half of one (HALF_STEP_MAX_CHUNKS)
+        if block_t > 1 and triton.cdiv(num_tokens, block_t // 2) <= HALF_STEP_MAX_CHUNKS:
+            block_t //= 2
         chunk_pairs, chunks = block_t * top_k, triton.cdiv(num_tokens, block_t)
     else:
         block_t, chunk_pairs, chunks = 1, MAX_CHUNK, triton.cdiv(num_pairs, MAX_CHUNK)
@@ -255,7 +269,8 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     sizes = dict(BLOCK_E=block_e, CHUNK=chunk_pairs, PAIRS=triton.next_power_of_2(chunk_pairs), FILL=1024)
     _count_kernel[(chunks,)](
         logits, weights, ids_flat, counts, sorted_pairs, num_tokens, num_experts, total_rows, stride_logits,
-        BLOCK_T=block_t, **dict(route, **sizes),
+        BLOCK_T=block_t, num_warps=route_warps(block_t * block_e, aligned) if route["ROUTE"] else 4,
+        **dict(route, **sizes),
     )  # fmt: skip
     scan_here = SCAN_IN_SCATTER and chunks * block_e <= SCAN_TILE
     tile_c = (

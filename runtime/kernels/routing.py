@@ -2,8 +2,8 @@
 
 Why a kernel: at decode the whole MoE layer is a few tens of microseconds, and the torch sequence
 (softmax, topk, div) costs three or four launches on its own. One program handles a block of tokens:
-softmax over the experts in fp32, then one bitonic top-k (ties go to the lower expert id, like ``torch.topk``), then
-optional renormalisation of the selected weights.
+softmax over the experts in fp32, then the top-k as max-reductions over packed keys (ties go to the lower expert id,
+like ``torch.topk``), then optional renormalisation of the selected weights.
 """
 
 from __future__ import annotations
@@ -15,10 +15,31 @@ from triton.runtime.jit import constexpr_function
 
 from repack.formats.errors import RepackError
 
+# Router logits per warp of a routing program (the routing kernel, the alignment's one program, a routed count
+# program): each thread's share of the softmax and of the top-k is issue time on the call's critical path. Rows
+# that are not 16-byte aligned (60 experts) cannot be read as vectors, so the compiler spreads a row over several
+# warps and every reduction crosses them: half the logits per warp there. Measured on the H200 (KERNEL_NOTES.md
+# item 22): 16 tokens x 128 experts 4.8 -> 4.1 us on 8 warps instead of 4; 16 x 60 experts 6.4 -> 4.6 on 8.
+ROUTE_LOGITS_PER_WARP = 256
+UNALIGNED_LOGITS_PER_WARP = 128
+
 
 @constexpr_function
 def _pow2_at_least(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
+
+
+@triton.jit
+def _top_keys(keys, TOP_K: tl.constexpr, K_POW: tl.constexpr):
+    """The TOP_K largest of each row of ``keys`` [rows, E] (distinct where >= 0), descending, in [rows, K_POW]
+    (-1 past TOP_K): TOP_K rounds of one max-reduction along the row, each taking its winner out."""
+    columns = tl.arange(0, K_POW)[None, :]
+    best = tl.full([keys.shape[0], K_POW], -1, tl.int64)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(keys, axis=1)[:, None]
+        best = tl.where(columns == j, top, best)
+        keys = tl.where(keys == top, -1, keys)
+    return best
 
 
 @triton.jit
@@ -31,12 +52,13 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     body, and the first step of the alignment (kernels/align.py) and of the decode's preparation
     (kernels/decode.py).
 
-    One bitonic top-k (``tl.topk``) over packed int64 keys, the probability's bits above the complement of the
-    expert id: a non-negative fp32 orders as its bits, so the largest key is the largest probability and, among
-    equal ones, the lowest expert id (``torch.topk``'s choice). It replaced ``TOP_K`` dependent rounds of two
-    reductions each (twice ``TOP_K`` with renormalisation), whose latency made the routing of 16 tokens over 128
-    experts most of a 7 us launch (benchmarks/KERNEL_NOTES.md item 19)."""
-    K_POW: tl.constexpr = _pow2_at_least(TOP_K)  # tl.topk takes a power of two; the columns past TOP_K are unused
+    The top-k runs over packed int64 keys, the probability's bits above the complement of the expert id: a
+    non-negative fp32 orders as its bits, so the largest key is the largest probability and, among equal ones, the
+    lowest expert id (``torch.topk``'s choice), and one max-reduction per choice finds both (:func:`_top_keys`). The
+    first version took two reductions per choice (value, then index), whose latency made the routing of 16 tokens
+    over 128 experts most of a 7 us launch (benchmarks/KERNEL_NOTES.md item 19); ``tl.topk``'s bitonic sort of the
+    same keys compiled to a quarter more instructions than the rounds (item 22)."""
+    K_POW: tl.constexpr = _pow2_at_least(TOP_K)  # a power-of-two result tile; the columns past TOP_K are unused
     tokens = first_token + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     valid = (tokens[:, None] < num_tokens) & (experts[None, :] < num_experts)
@@ -50,7 +72,7 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     # else is left, and then as expert 0 with weight 0, so a broken row still reads inside the stack.
     keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - experts[None, :]).to(tl.int64)
     keys = tl.where(valid & (probs == probs), keys, -1)
-    best = tl.topk(keys, K_POW, dim=1)  # [BLOCK_T, K_POW], descending
+    best = _top_keys(keys, TOP_K, K_POW)  # [BLOCK_T, K_POW], descending
     chosen = best >= 0
     ids = tl.where(chosen, BLOCK_E - 1 - (best & 0xFFFF).to(tl.int32), 0)
     weights = tl.where(chosen, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
@@ -96,6 +118,17 @@ def token_block(num_experts: int) -> int:
     return max(1, min(16, 2048 // triton.next_power_of_2(num_experts)))
 
 
+def rows_aligned(router_logits: torch.Tensor) -> bool:
+    """Whether every row of ``router_logits`` starts on 16 bytes (what vector loads of a row need)."""
+    return router_logits.stride(0) * router_logits.element_size() % 16 == 0 and router_logits.data_ptr() % 16 == 0
+
+
+def route_warps(logits: int, aligned: bool = True) -> int:
+    """Warps of a program that routes ``logits`` router logits (4 to 16): ROUTE_LOGITS_PER_WARP each, or
+    UNALIGNED_LOGITS_PER_WARP where the rows are not :func:`rows_aligned`."""
+    return max(4, min(16, logits // (ROUTE_LOGITS_PER_WARP if aligned else UNALIGNED_LOGITS_PER_WARP)))
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in fp32, top-k, optional renormalisation.
 
@@ -115,7 +148,9 @@ def route_into(
     if num_tokens == 0:
         return
     block_t = token_block(num_experts)
+    block_e = triton.next_power_of_2(num_experts)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), TOP_K=top_k,
-        RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
+        num_warps=route_warps(block_t * block_e, rows_aligned(router_logits)),
     )  # fmt: skip
