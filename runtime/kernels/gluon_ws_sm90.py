@@ -1,0 +1,453 @@
+"""Hopper (sm_90) MoE GEMMs, warp-specialized and persistent: a producer warp fills the ring, a consumer
+warpgroup dequantizes and keeps a wgmma in flight.
+
+The same GEMMs, tiles, dequantization and epilogues as runtime/kernels/gluon_sm90.py; what differs is who moves the
+bytes and when. ncu on gluon_sm90's kernels at M = 16-64 on the H200 (benchmarks/KERNEL_NOTES.md item 23): 2.3-2.5
+TB/s of DRAM, 4 CTAs x 4 warps per SM (registers and shared memory both at their limit), half an instruction
+issued per scheduler per cycle with under one warp eligible. Every warp there issues its share of the ring's
+copies (address math per 16-byte copy), waits at a CTA barrier each K step, and the ring keeps a margin of two
+stages, so STAGES - 2 steps are in flight; a program fills its ring once per tile and the grid ends in a partial
+wave. Here:
+
+- the producer (a worker partition of one warp) waits until a stage is free, loads the step's weight words by TMA
+  (one [64, 16] int32 box per 64 weight rows: w13's gate rows and its up rows) and the block's activations by
+  cp.async (the token rows are gathered, which Hopper's TMA cannot do), and makes the stage's mbarrier complete
+  when both have landed (TMA transaction bytes, and one cp.async arrival per lane);
+- the consumer (the default partition, one warpgroup) waits for the stage, dequantizes the words into the wgmma's
+  register operand and keeps one wgmma in flight as gluon_sm90 does, and frees the stage as soon as the next
+  step's first wgmma has retired the last one that read it: STAGES - 1 steps in flight, no CTA-wide barrier;
+- the grid is persistent (a few programs per SM): each walks the live tiles pid, pid + P, ..., and the producer
+  runs ahead into its next tile while the consumer is in the epilogue, so a short K (w2) pays no ring fill per
+  tile and dead tiles (alignment bound past the real block count) cost no program.
+
+Probe status: run by benchmarks/probe_gluon_ws.py against gluon_sm90 on the same calls; not a family of the
+dispatcher until it measures faster (KERNEL_NOTES item 23). Layout of the words: the ``mma128`` stacks of
+formats/SPEC.md section 3, read through a 2-D view ``[experts * rows, K / 8]`` int32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from repack.runtime.kernel_config import GluonTile
+from repack.runtime.kernels import gluon_sm90
+from repack.runtime.kernels.align import Alignment
+from repack.runtime.kernels.common import tile_ids
+from repack.runtime.weights import MoeWeights
+
+if gluon_sm90.available():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from repack.runtime.kernels.gluon_sm90 import (
+        X_SMEM_LAYOUT,
+        _copy_x,
+        _dequant_chunk,
+        _out_pairs,
+        _step_quant,
+        _x_chunk,
+        _zero_share,
+        acc_layout,
+        out_layout,
+        word_layout,
+        x_layout,
+        x_parts,
+    )
+
+BOX_ROWS = 64  # weight rows per TMA box: one warpgroup's wgmma M
+_BOX_ROWS = gl.constexpr(BOX_ROWS) if gluon_sm90.available() else None
+# Words of a K step as TMA writes them: [rows, 16] int32, 64-byte rows under the 64-byte swizzle (the fragment
+# reads of word_layout hit distinct banks, as under gluon_sm90's 16-byte XOR swizzle).
+W_TMA_LAYOUT = (
+    gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2))
+    if gluon_sm90.available()
+    else None
+)
+PRODUCER_REGS = 40  # registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg
+
+
+if gluon_sm90.available():
+
+    @gluon.jit
+    def _live_tiles(num_blocks_ptr, N, BLOCK_N: gl.constexpr):
+        """(live tiles: the alignment's real blocks x weight-row tiles, weight-row tiles)."""
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        return gl.load(num_blocks_ptr) * n_tiles, n_tiles
+
+    @gluon.jit
+    def _producer(w_desc, src_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready, empty,
+                  num_pairs, rows_per_expert, N, K, stride_src, ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr):  # fmt: skip
+        """The worker partition: every K step of every tile of this program into the ring. A stage is ready when
+        its TMA bytes (BOXES boxes of words) and each lane's cp.async copies (the activations) have landed.
+
+        ``src_ptr`` rows hold the activations (x, one row per token: ROW_DIV = top-k; or inter, one per pair:
+        ROW_DIV = 1). w13's boxes are its gate rows and, N rows further, its up rows (BOXES = 2)."""
+        STAGES: gl.constexpr = w_smem.shape[0]
+        X_PARTS: gl.constexpr = x_parts(BLOCK_M, gl.num_warps())
+        PART_ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS
+        r = gl.arange(0, PART_ROWS, layout=gl.SliceLayout(1, x_layout(gl.num_warps())))
+        num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
+        num_steps = K // 128
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
+            pairs = gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + r % BLOCK_M), 1)
+            token_rows = src_ptr + (pairs // ROW_DIV).to(gl.int64) * stride_src
+            pair_mask = pairs < num_pairs
+            row0 = gl.load(block_experts_ptr + pid_m) * rows_per_expert + pid_n * BLOCK_N
+            for step in range(num_steps):
+                stage = it % STAGES
+                mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+                # The activations first: each lane's arrival raises the pending count now and lowers it when its
+                # copies land, so the stage cannot complete on the TMA bytes alone.
+                _copy_x(x_smem.index(stage), token_rows, pair_mask, src_ptr, step * 128, BLOCK_M, False)
+                async_copy.mbarrier_arrive(ready.index(stage))
+                mbarrier.expect(ready.index(stage), BOXES * w_desc.block_type.nbytes)
+                w_stage = w_smem.index(stage)
+                for box in gl.static_range(BOXES):
+                    tma.async_copy_global_to_shared(w_desc, [row0 + box * N, step * 16], ready.index(stage),
+                                                    w_stage.slice(box * _BOX_ROWS, _BOX_ROWS))  # fmt: skip
+                it += 1
+
+    @gluon.jit
+    def _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows_ok, num_steps, stride_s_g,
+                  ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                  SYM_ZERO: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
+        """acc [ROWS, BLOCK_M] of one tile from the ring (the consumer's K loop), and the ring position after it.
+        Each stage is freed once the wgmma after its last one has been waited for (one stays in flight)."""
+        STAGES: gl.constexpr = w_smem.shape[0]
+        IS_FP16: gl.constexpr = gl.float16 == DTYPE
+        WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
+        ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
+        scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
+        scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
+        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
+        part = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
+        scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, 0, stride_s_g,
+                                         HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
+        for step in range(num_steps):
+            stage = it % STAGES
+            k_next = gl.minimum(step + 1, num_steps - 1) * 128
+            next_quant = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, k_next // GROUP_LEN,
+                                     stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            fence_async_shared()  # the activations came by cp.async (generic proxy); the wgmma reads them (async)
+            w_stage = w_smem.index(stage)
+            low = w_stage.slice(0, 8, dim=1).load(WORD_LAYOUT)
+            high = w_stage.slice(8, 8, dim=1).load(WORD_LAYOUT)
+            x_stage = x_smem.index(stage)
+            for c in gl.static_range(8):
+                words = low if c < 4 else high
+                a = _dequant_chunk(words, c % 4, scale, bias2, odd2, IS_FP16, DTYPE, BLOCK_M, SCALE_AFTER)
+                b = _x_chunk(x_stage, c, BLOCK_M)
+                if not SCALE_AFTER:
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+                else:
+                    part = warpgroup_mma(a, b, part, use_acc=c > 0, is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
+                if c == 0:  # the previous step's last wgmma has retired: its stage may be refilled
+                    fence_async_shared()  # this warpgroup's reads of that stage before the TMA writes into it
+                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=step > 0)
+            if SCALE_AFTER:
+                part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
+                acc = acc + part * scale
+            scale, bias2, odd2 = next_quant
+            it += 1
+        if not SCALE_AFTER:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        fence_async_shared()
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))  # the tile's last stage
+        return acc, it
+
+    @gluon.jit
+    def _w13_consumer(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, inter_ptr, sorted_pairs_ptr,
+                      block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g, stride_inter,
+                      GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr,
+                      DTYPE: gl.constexpr):  # fmt: skip
+        """inter[pair, n] = silu(gate_n . x) * (up_n . x) for every tile of this program (gluon_sm90's epilogue)."""
+        ROWS: gl.constexpr = 2 * BLOCK_N
+        WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
+        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WORD_LAYOUT))
+        num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
+            expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
+            channels = pid_n * BLOCK_N + offs_r % BLOCK_N
+            rows = channels + (offs_r // BLOCK_N) * N
+            acc, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e,
+                                zeros_ptr + expert * stride_s_e, rows, channels < N, K // 128, stride_s_g, ROWS,
+                                BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
+            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
+            act = gl.convert_layout(gate / (1.0 + gl.exp(-gate)) * up, OUT_LAYOUT)
+            offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
+            ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
+            mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
+            gl.store(ptrs, act.to(inter_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _w2_consumer(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
+                     sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g,
+                     stride_out, TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr,
+                     HAS_ZEROS: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
+        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for every tile of this program."""
+        WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
+        offs_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
+        num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
+            expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
+            rows = pid_n * BLOCK_N + offs_r
+            acc, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e,
+                                zeros_ptr + expert * stride_s_e, rows, rows < N, K // 128, stride_s_g, BLOCK_N,
+                                BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
+            acc = gl.convert_layout(acc, OUT_LAYOUT)
+            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
+            live_pairs = out_pairs < num_pairs
+            acc = acc * gl.load(topk_weights_ptr + out_pairs, mask=live_pairs, other=0.0)
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+            mask = gl.expand_dims(offs_n < N, 1) & live_pairs
+            if ATOMIC:
+                tokens = (out_pairs // TOP_K).to(gl.int64)
+                ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
+                gl.atomic_add(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+            else:
+                ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
+                gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _ring(DTYPE: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The shared ring (words [STAGES, ROWS, 16], activations [STAGES, 2 * BLOCK_M, 64]) and its barriers,
+        initialised: ``ready`` completes once per fill (one expected arrival, the TMA bytes, the lanes' cp.async
+        arrivals), ``empty`` once per release (the consumer's one arrival)."""
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_TMA_LAYOUT)
+        x_smem = gl.allocate_shared_memory(DTYPE, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        return w_smem, x_smem, ready, empty
+
+    @gluon.jit
+    def _w13_ws_kernel(
+        w_desc, x_ptr, scales_ptr, zeros_ptr, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+        zero_ptr, num_pairs, N, K, zero_numel, stride_x, stride_s_e, stride_s_g, stride_inter,
+        TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
+        ZERO_OUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """inter = silu(x W_gate^T) * (x W_up^T) over the aligned blocks; with ZERO_OUT also ``zero_ptr[:zero_numel]
+        = 0`` (the target w2 adds the top-k into)."""
+        DTYPE: gl.constexpr = x_ptr.dtype.element_ty
+        if ZERO_OUT:
+            _zero_share(zero_ptr, zero_numel)
+        w_smem, x_smem, ready, empty = _ring(DTYPE, 2 * BLOCK_N, BLOCK_M, STAGES)
+        gl.warp_specialize(
+            [
+                (
+                    _w13_consumer,
+                    (
+                        w_smem,
+                        x_smem,
+                        ready,
+                        empty,
+                        scales_ptr,
+                        zeros_ptr,
+                        inter_ptr,
+                        sorted_pairs_ptr,
+                        block_experts_ptr,
+                        num_blocks_ptr,
+                        num_pairs,
+                        N,
+                        K,
+                        stride_s_e,
+                        stride_s_g,
+                        stride_inter,
+                        GROUP_LEN,
+                        SYM_ZERO,
+                        HAS_ZEROS,
+                        BLOCK_M,
+                        BLOCK_N,
+                        GROUP_M,
+                        SCALE_AFTER,
+                        DTYPE,
+                    ),
+                ),  # fmt: skip
+                (
+                    _producer,
+                    (
+                        w_desc,
+                        x_ptr,
+                        sorted_pairs_ptr,
+                        block_experts_ptr,
+                        num_blocks_ptr,
+                        w_smem,
+                        x_smem,
+                        ready,
+                        empty,
+                        num_pairs,
+                        2 * N,
+                        N,
+                        K,
+                        stride_x,
+                        TOP_K,
+                        BLOCK_M,
+                        BLOCK_N,
+                        GROUP_M,
+                        2 * BLOCK_N // _BOX_ROWS,
+                    ),
+                ),  # fmt: skip
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+
+    @gluon.jit
+    def _w2_ws_kernel(
+        w_desc, inter_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
+        num_blocks_ptr, num_pairs, N, K, stride_inter, stride_s_e, stride_s_g, stride_out,
+        TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
+        ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """out (+)= route weight * inter W2^T over the aligned blocks."""
+        DTYPE: gl.constexpr = inter_ptr.dtype.element_ty
+        w_smem, x_smem, ready, empty = _ring(DTYPE, BLOCK_N, BLOCK_M, STAGES)
+        gl.warp_specialize(
+            [
+                (
+                    _w2_consumer,
+                    (
+                        w_smem,
+                        x_smem,
+                        ready,
+                        empty,
+                        scales_ptr,
+                        zeros_ptr,
+                        topk_weights_ptr,
+                        out_ptr,
+                        sorted_pairs_ptr,
+                        block_experts_ptr,
+                        num_blocks_ptr,
+                        num_pairs,
+                        N,
+                        K,
+                        stride_s_e,
+                        stride_s_g,
+                        stride_out,
+                        TOP_K,
+                        GROUP_LEN,
+                        SYM_ZERO,
+                        HAS_ZEROS,
+                        ATOMIC,
+                        BLOCK_M,
+                        BLOCK_N,
+                        GROUP_M,
+                        SCALE_AFTER,
+                        DTYPE,
+                    ),
+                ),  # fmt: skip
+                (
+                    _producer,
+                    (
+                        w_desc,
+                        inter_ptr,
+                        sorted_pairs_ptr,
+                        block_experts_ptr,
+                        num_blocks_ptr,
+                        w_smem,
+                        x_smem,
+                        ready,
+                        empty,
+                        num_pairs,
+                        N,
+                        N,
+                        K,
+                        stride_inter,
+                        1,
+                        BLOCK_M,
+                        BLOCK_N,
+                        GROUP_M,
+                        BLOCK_N // _BOX_ROWS,
+                    ),
+                ),  # fmt: skip
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def words_descriptor(qweight: torch.Tensor) -> TensorDescriptor:
+    """The TMA view of a stack's words: [experts * rows, K / 8] int32 in boxes of [BOX_ROWS, 16] (one K step)."""
+    view = qweight.reshape(-1, qweight.shape[-1])
+    return TensorDescriptor.from_tensor(view, [BOX_ROWS, 16], W_TMA_LAYOUT.value)
+
+
+def programs(tiles: int, device: torch.device, per_sm: int) -> int:
+    """The persistent grid: ``per_sm`` programs on every SM, never more than the tiles the alignment allows."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, sms * per_sm))
+
+
+def launch(
+    x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
+    weights: MoeWeights,  # an mma128 stack without act-order (gluon_sm90.reads)
+    topk_ids: torch.Tensor,  # [M, T]
+    topk_weights: torch.Tensor,  # [M, T] fp32
+    rows: Alignment,  # pairs sorted by expert into blocks of tile.block_m
+    inter: torch.Tensor,  # [P, I] activation dtype
+    target: torch.Tensor,  # [P, H] ("pairs") or [M, H] added to ("out", "atomic")
+    tile: GluonTile,  # block_m tokens, block_n = 64 channels (one warpgroup: 128 w13 rows, 64 w2 rows), stages
+    reduce: str,  # "pairs", "out" or "atomic" (runtime/kernel_config.py)
+    per_sm: int = 4,  # persistent programs per SM
+    maxnreg: int = 64,  # register cap of every thread at launch: 4 programs of 8 warps' allocation per SM
+) -> None:
+    """w13 then w2, warp-specialized and persistent, on the same inputs as :func:`gluon_sm90.launch`."""
+    if weights.w13_perm is not None or tile.warps != 4 or tile.block_n != 64 or rows.block_m != tile.block_m:
+        raise ValueError(f"gluon_ws_sm90.launch: tile {tile} / act-order: one warpgroup, 64 channels, plain stacks")
+    atomic = reduce != "pairs"
+    top_k, h, n_inter, num_pairs = topk_ids.shape[1], weights.hidden_size, weights.intermediate_size, topk_ids.numel()
+    zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
+    zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
+    has_zeros = weights.w13_zeros is not None
+    s13, s2 = weights.w13_scales, weights.w2_scales
+    common = dict(SYM_ZERO=8, HAS_ZEROS=has_zeros, BLOCK_M=tile.block_m, GROUP_M=tile.group_m, STAGES=tile.stages,
+                  SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                  maxnreg=maxnreg)  # fmt: skip
+    grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, 64), x.device, per_sm),)
+    _w13_ws_kernel[grid13](
+        words_descriptor(weights.w13_qweight), x, s13, zeros13, inter, rows.sorted_pairs, rows.block_experts,
+        rows.num_blocks, target, num_pairs, n_inter, h, target.numel() if atomic else 0, x.stride(0), s13.stride(0),
+        s13.stride(1), inter.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(h), ZERO_OUT=atomic, BLOCK_N=64,
+        **common,
+    )  # fmt: skip
+    grid2 = (programs(rows.max_blocks * triton.cdiv(h, 64), x.device, per_sm),)
+    _w2_ws_kernel[grid2](
+        words_descriptor(weights.w2_qweight), inter, s2, zeros2, topk_weights, target, rows.sorted_pairs,
+        rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0), s2.stride(0), s2.stride(1),
+        target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=64, **common,
+    )  # fmt: skip
