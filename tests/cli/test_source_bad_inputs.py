@@ -119,9 +119,9 @@ def test_ct_sparsity_and_transforms_are_refused(ct, tmp_path, key, value):
 
 def test_ct_backtracking_regex_is_stopped(ct, tmp_path, monkeypatch):
     """The regexes come from the checkpoint: all matching of one config shares a time budget."""
-    import repack.formats.sources.compressed_tensors as compressed_tensors
+    import repack.formats.source_configs as source_configs
 
-    monkeypatch.setattr(compressed_tensors, "REGEX_SECONDS", 0.5)
+    monkeypatch.setattr(source_configs, "REGEX_SECONDS", 0.5)
     edit_config(ct, lambda q: q.update(ignore=[r"re:((.)(?=.)|.)*\d{5}"]))
     convert_fails(ct, tmp_path, "takes too long to match", "simplify it")
 
