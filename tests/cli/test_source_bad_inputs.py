@@ -200,6 +200,18 @@ def test_awq_wrong_packing_shape(awq, tmp_path):
     convert_fails(awq, tmp_path, f"{EXPERT}.up_proj.qzeros", "expected int32 [1, 8]")
 
 
+def test_awq_wrong_packing_dtype(awq, tmp_path):
+    edit_weights(awq, lambda t: t.update({f"{EXPERT}.up_proj.qweight": t[f"{EXPERT}.up_proj.qweight"].long()}))
+    convert_fails(awq, tmp_path, f"{EXPERT}.up_proj.qweight", "expected a 2-D int32 tensor (AWQ GEMM, [K, N/8])")
+
+
+@pytest.mark.parametrize("group_size", [48, 256])
+def test_awq_unknown_group_size(awq, tmp_path, group_size):
+    """AWQ's scheme is its group size (no strategy key): one it does not take is named with the ones it does."""
+    edit_config(awq, lambda q: q.update(group_size=group_size))
+    convert_fails(awq, tmp_path, f"AWQ group_size {group_size} is not supported", "32, 64, 128, -1")
+
+
 def test_awq_missing_scales(awq, tmp_path):
     edit_weights(awq, lambda t: t.pop(f"{EXPERT}.gate_proj.scales"))
     convert_fails(awq, tmp_path, f"missing expert tensor {EXPERT}.gate_proj.scales")
