@@ -33,12 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from repack.formats.config_files import check_repack_quant_config, read_config
 from repack.formats.errors import RepackError
-from repack.formats.json_files import CONFIG_MAX_BYTES, INDEX_MAX_BYTES, parse_json, read_bounded
+from repack.formats.json_files import INDEX_MAX_BYTES, parse_json, read_bounded
 from repack.formats.manifest import FileRecord
 from repack.formats.paths import check_inside, child_path
 
-from .stacks import FORMAT_NAME, INDEX_FILE, QUANT_METHOD, SUPPORTED_FORMAT_VERSIONS, StackInfo, StackInfoError
+from .stacks import INDEX_FILE, StackInfo, StackInfoError
 
 SINGLE_FILE = "model.safetensors"
 from .constants import CONFIG_FILE, CONVERSION_ID_KEY  # noqa: E402, F401 - re-exported (loader, converter use them)
@@ -950,26 +951,6 @@ def write_json(path: Path, data: dict) -> WrittenFile:
     return WrittenFile(path.name, hashlib.sha256(encoded).hexdigest(), len(encoded))
 
 
-def read_config(folder: str | Path) -> dict:
-    """config.json of a checkpoint folder, with one-line errors."""
-    return read_config_record(folder)[0]
-
-
-def read_config_record(folder: str | Path) -> tuple[dict, FileRecord]:
-    """config.json of a checkpoint folder, and the sha256 and size of the very bytes parsed (bounded, strict JSON:
-    UTF-8, no NaN), so a manifest records the config the conversion used, not one that changed since."""
-    path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        if path.exists() or path.is_symlink():
-            raise RepackError(f"{path}: not a regular file; replace it with the model's config.json")
-        raise RepackError(f"{Path(folder)}: no {CONFIG_FILE}; is this a Hugging Face model folder?")
-    raw = read_bounded(path, CONFIG_MAX_BYTES, "config.json")
-    config = parse_json(raw, path, "fix or re-download it")
-    if not isinstance(config, dict):
-        raise RepackError(f"{path}: not a JSON object; fix or re-download it")
-    return config, FileRecord(hashlib.sha256(raw).hexdigest(), len(raw))
-
-
 def read_repack_config(folder: str | Path) -> tuple[dict, list[StackInfo]]:
     """config.json of a repack-moe checkpoint and its stacks; refuses other formats and unknown versions."""
     config = read_config(folder)
@@ -979,17 +960,7 @@ def read_repack_config(folder: str | Path) -> tuple[dict, list[StackInfo]]:
 def parse_repack_quant_config(quant: dict, where: str) -> list[StackInfo]:
     """The stacks of a ``quantization_config`` dict (formats/SPEC.md section 4); refuses other formats and unknown
     versions with one line naming ``where``. Shared by every reader (the loader, the vLLM plugin)."""
-    if quant.get("quant_method") != QUANT_METHOD or quant.get("format") != FORMAT_NAME:
-        raise RepackError(
-            f"{where}: not a {FORMAT_NAME} checkpoint (quant_method {quant.get('quant_method')!r}); "
-            "convert it first with `repack convert`"
-        )
-    version = quant.get("format_version")
-    if version not in SUPPORTED_FORMAT_VERSIONS:
-        raise RepackError(
-            f"{where}: {FORMAT_NAME} format_version {version!r} is not supported by this reader (knows "
-            f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade moe-repack or re-convert the source"
-        )
+    check_repack_quant_config(quant, where)
     try:
         return [StackInfo.from_json(stack) for stack in quant.get("stacks", [])]
     except StackInfoError as error:

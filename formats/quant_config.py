@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import regex
 
 from repack.formats.errors import RepackError
-from repack.formats.gptq import CHECKPOINT_FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, GptqScheme
+from repack.formats.schemes import CHECKPOINT_FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, GptqScheme
 
 try:  # Python's own regex parser: a private module, stable in shape since 3.5 (sre_parse before 3.11)
     from re import _constants as _sre_constants

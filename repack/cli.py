@@ -6,7 +6,8 @@ traceback is ever shown for them.
 
 Importing this module imports neither torch nor huggingface_hub: ``repack --help``, a mistyped argument and
 ``repack push --dry-run`` do not pay seconds for them. Each command first makes the checks that need no tensor
-(:mod:`repack.preflight`: missing folders, an existing output, options), then imports what it needs.
+(:mod:`repack.preflight`: missing folders, an existing output, options, and what a config or manifest alone rules
+out), then imports what it needs.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ from repack.formats.errors import RepackError, printable  # noqa: E402
 from repack.preflight import (  # noqa: E402
     CONFIG_FILE,
     check_convert_arguments,
+    check_converted_config,
     check_converted_folder,
+    check_demo_folder,
     local_source,
 )
 
@@ -233,6 +236,7 @@ def verify(
     """Check checksums against the manifest and, with --source, the bit-exact inverse of every tensor."""
     with one_line_errors():
         check_converted_folder(out, MANIFEST_FILE)
+        check_converted_config(out, manifest=True)
         if source is not None:
             local_source(source, revision)
         import_torch()
@@ -253,6 +257,7 @@ def inspect(out: Path = typer.Argument(..., help="Output folder of repack conver
     """Show format version, layers, experts, shapes, quantization, provenance and sizes."""
     with one_line_errors():
         check_converted_folder(out, CONFIG_FILE)
+        check_converted_config(out, manifest=False)
         import_torch()
         from repack.inspect_cmd import inspect_output
 
@@ -266,6 +271,8 @@ def demo(
     generate: bool = typer.Option(True, "--generate/--no-generate", help="Run greedy generate (slowest on a CPU)."),
 ) -> None:
     """Write a tiny GPTQ MoE, convert, verify, run it on the runtime and transformers, preview the push."""
+    with one_line_errors():
+        check_demo_folder(out_dir, force)
     try:
         with _imports_uninterrupted():
             from repack.demo import demo_command
@@ -290,6 +297,7 @@ def tune(
         if dtype not in ACTIVATION_DTYPE_NAMES:
             raise RepackError(f"--dtype {dtype}: use {' or '.join(ACTIVATION_DTYPE_NAMES)}")
         check_converted_folder(checkpoint, CONFIG_FILE)
+        check_converted_config(checkpoint, manifest=False)
         import_torch()
         import torch
 

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from repack.display import plain
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqLinear, GptqScheme, dequantize
+from repack.preflight import check_demo_folder
 
 BLOCK_TOLERANCE = 5e-3  # relative, runtime MoE block vs float32 source reference (tests/test_moe_block.py)
 LOGIT_TOLERANCE = 1e-2  # relative, transformers logits vs float32 reference model (tests/test_hf.py)
@@ -266,11 +267,8 @@ def summary_table(report: DemoReport) -> Table:
 
 def prepare_out_dir(out_dir: Path, force: bool) -> None:
     """Refuse a non-empty OUT without --force; with it, remove only what the demo writes."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RepackError(f"{out_dir}: exists and is not a folder; pass a new folder for the demo")
+    check_demo_folder(out_dir, force)
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not force:
-            raise RepackError(f"{out_dir}: folder is not empty; pass --force to replace the demo files in it")
         for name in ("source", "converted"):
             shutil.rmtree(out_dir / name, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)

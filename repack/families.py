@@ -13,6 +13,7 @@ import reprlib
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from repack.formats.errors import RepackError
 from repack.formats.families import (
@@ -24,7 +25,9 @@ from repack.formats.families import (
     family_for,
     num_routed_experts,
 )
-from repack.formats.sources import SourceFormat
+
+if TYPE_CHECKING:  # the readers import torch; detect_family runs before it is imported (repack/source_config.py)
+    from repack.formats.sources import SourceFormat
 
 _EXPERT_TENSOR = re.compile(
     rf"^(?P<block>(?P<layers>.+)\.(?P<layer>\d+)\.(?P<module>[^.]+))\.{EXPERTS_MODULE}\.(?P<expert>\d+)\."

@@ -1,10 +1,11 @@
 """What a command can check before it starts its work: arguments, folders, where the output may go.
 
-Why a module of its own, free of torch: a mistyped path or an existing output folder must answer at once (not
-after seconds of importing torch and planning a conversion), and an output that can never be published (a mount
-point, a link, an unwritable parent) must be refused before the work, not after it. The CLI runs these checks
-before it imports anything heavy; :func:`repack.convert.convert` runs the output checks again right before it
-creates its work folder (the folder may have changed meanwhile).
+Why a module of its own, free of torch: a mistyped path, an existing output folder or a config that rules the
+folder out (repack.source_config for a source; a folder not converted, or of a newer format version) must answer
+at once (not after seconds of importing torch and planning a conversion), and an output that can never be
+published (a mount point, a link, an unwritable parent) must be refused before the work, not after it. The CLI
+runs these checks before it imports anything heavy; :func:`repack.convert.convert` runs the output checks again
+right before it creates its work folder (the folder may have changed meanwhile).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import os
 import re
 from pathlib import Path
 
+from repack.formats.config_files import check_repack_config
 from repack.formats.errors import RepackError, printable
 from repack.formats.hub import looks_like_repo_id
+from repack.formats.manifest import Manifest
+from repack.source_config import check_source_config
 
 CONFIG_FILE = "config.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -51,6 +55,23 @@ def check_converted_folder(out: Path, needs: str) -> None:
         raise RepackError(f"{shown(out)}: is a file, not a folder; pass the output folder of `repack convert`")
     if not (out / needs).is_file():
         raise RepackError(f"{shown(out)}: has no {needs}; pass the output folder of `repack convert`")
+
+
+def check_converted_config(out: Path, *, manifest: bool) -> None:
+    """What a converted folder's manifest (when the command reads one) and config.json say, refused before torch is
+    imported and in the order the command itself reads them: a folder not converted yet, a newer format version, a
+    manifest that is malformed, unbounded or edited."""
+    if manifest:
+        Manifest.read(out)
+    check_repack_config(out)
+
+
+def check_demo_folder(out_dir: Path, force: bool) -> None:
+    """``repack demo``'s folder: new, empty, or (with --force) holding an earlier demo's files."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RepackError(f"{shown(out_dir)}: exists and is not a folder; pass a new folder for the demo")
+    if out_dir.is_dir() and not force and any(out_dir.iterdir()):
+        raise RepackError(f"{shown(out_dir)}: folder is not empty; pass --force to replace the demo files in it")
 
 
 def local_source(src: str, revision: str | None) -> Path | None:
@@ -164,9 +185,12 @@ def check_output_target(out: Path, force: bool, source: Path | None = None) -> N
 def check_convert_arguments(
     src: str, out: Path, *, revision: str | None, force: bool, dry_run: bool, shard_size: str
 ) -> None:
-    """Everything ``repack convert`` can refuse without reading a tensor: the source argument, the shard size and,
-    unless it is a dry run, the output folder."""
+    """Everything ``repack convert`` can refuse without reading a tensor: the source argument, the shard size, what
+    a local source's config says (repack.source_config) and, unless it is a dry run, the output folder. In the
+    conversion's own order: the source's verdicts before the output's."""
     source = local_source(src, revision)
     parse_size(shard_size)
+    if source is not None:
+        check_source_config(source)
     if not dry_run:
         check_output_target(Path(out).expanduser().absolute(), force, source)

@@ -12,15 +12,14 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repack.formats.checkpoint import CONFIG_FILE, read_config_record
+from repack.formats.config_files import read_config_record
 from repack.formats.errors import RepackError
 from repack.formats.hub import download_snapshot
-from repack.formats.json_files import CONFIG_MAX_BYTES, parse_json, read_bounded
 from repack.formats.manifest import FileRecord
 from repack.formats.paths import check_inside, tree_root
 from repack.preflight import local_source
+from repack.source_config import read_quantization_config
 
-QUANTIZE_CONFIG_FILE = "quantize_config.json"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -69,19 +68,6 @@ def _special_kind(path: Path) -> str:
     mode = path.stat().st_mode
     kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"))
     return next((name for test, name in kinds if test(mode)), "special file")
-
-
-def read_quantization_config(folder: Path, config: dict) -> tuple[dict | None, str | None]:
-    """The GPTQ quantization config: config.json's ``quantization_config``, else quantize_config.json."""
-    quant = config.get("quantization_config")
-    if isinstance(quant, dict):
-        return quant, CONFIG_FILE
-    path = folder / QUANTIZE_CONFIG_FILE
-    if path.is_file():
-        data = parse_json(read_bounded(path, CONFIG_MAX_BYTES, QUANTIZE_CONFIG_FILE), path, "fix or re-download it")
-        if isinstance(data, dict):
-            return data, QUANTIZE_CONFIG_FILE
-    return None, None
 
 
 def resolve_source(src: str, revision: str | None = None) -> SourceCheckpoint:

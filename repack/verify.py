@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from repack.formats.checkpoint import CheckpointReader, parse_repack_quant_config, read_config_record
+from repack.formats.checkpoint import CheckpointReader, parse_repack_quant_config
+from repack.formats.config_files import read_config_record
 from repack.formats.constants import CONFIG_FILE
 from repack.formats.errors import RepackError
 from repack.formats.hashing import hash_file

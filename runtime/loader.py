@@ -23,8 +23,8 @@ from repack.formats.checkpoint import (
     CheckpointReader,
     TensorEntry,
     parse_repack_quant_config,
-    read_config_record,
 )
+from repack.formats.config_files import read_config_record
 from repack.formats.constants import MANIFEST_FILE
 from repack.formats.errors import RepackError
 from repack.formats.families import SHARED_EXPERT_MODULES

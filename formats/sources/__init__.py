@@ -7,6 +7,7 @@ everything after it (the planner, the packer, the converter, verify) talks to th
 
 from __future__ import annotations
 
+from ..source_configs import source_method
 from .awq import AwqSource
 from .base import CanonicalLinear, LinearScheme, SourceFormat, SourceFormatError, TensorDict, TensorSource
 from .compressed_tensors import CompressedTensorsSource
@@ -32,21 +33,9 @@ READERS: dict[str, type[SourceFormat]] = {
 
 
 def source_format(raw: dict | None, where: str) -> SourceFormat:
-    """The reader of a checkpoint whose quantization config is ``raw`` (read from ``where``); one line otherwise."""
-    if raw is None:
-        raise SourceFormatError(
-            f"{where}: no quantization_config in config.json and no quantize_config.json: this is not a quantized "
-            "checkpoint (fp16/bf16?); quantize it first (GPTQ, AWQ or compressed-tensors W4A16)"
-        )
-    if not isinstance(raw, dict):
-        raise SourceFormatError(f"{where}: quantization_config must be an object; fix config.json")
-    method = str(raw.get("quant_method") or "gptq").lower()
-    if method not in READERS:
-        raise SourceFormatError(
-            f"{where}: quant_method is {raw.get('quant_method')!r}; supported source formats: "
-            f"{', '.join(READERS)} (re-quantize with one of them)"
-        )
-    return READERS[method](raw, where)
+    """The reader of a checkpoint whose quantization config is ``raw`` (read from ``where``); one line otherwise.
+    Which format it is, and what its config refuses, are formats/source_configs.py's (the CLI asks it first)."""
+    return READERS[source_method(raw, where)](raw, where)
 
 
 def reader_named(name: str, raw: dict, where: str) -> SourceFormat:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..gptq import pack_along_rows, unpack_along_rows
+from ..source_configs import AwqConfig
 from .base import (
     CanonicalLinear,
     LinearScheme,
@@ -28,47 +29,15 @@ from .base import (
 from .words import pack_last, unpack_last
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_VERSIONS = ("gemm",)
-AWQ_GROUP_SIZES = (32, 64, 128, -1)
 
 
-class AwqSource(SourceFormat):
+class AwqSource(AwqConfig, SourceFormat):
+    """The config (formats/source_configs.py: versions, bits, group sizes, modules_to_not_convert) and the tensors."""
+
     name = "awq"
     marker = "qweight"
     suffixes = ("qweight", "qzeros", "scales")
     required = ("qweight", "qzeros", "scales")
-
-    def __init__(self, raw: dict, where: str) -> None:
-        super().__init__(raw, where)
-        bits = raw.get("bits", raw.get("w_bit"))
-        group = raw.get("group_size", raw.get("q_group_size", 128))
-        version = str(raw.get("version") or raw.get("format") or "gemm").lower()
-        if version not in AWQ_VERSIONS:
-            raise SourceFormatError(
-                f"{where}: AWQ version {version!r} is not supported (only the GEMM packing: version 'gemm'); save the "
-                "model with AutoAWQ's GEMM kernel or GPTQModel's FORMAT.GEMM"
-            )
-        if bits != 4:
-            raise SourceFormatError(f"{where}: {bits}-bit AWQ is not supported (AWQ GEMM packs 4 bits); re-quantize")
-        if group not in AWQ_GROUP_SIZES:
-            raise SourceFormatError(
-                f"{where}: AWQ group_size {group!r} is not supported; supported: {', '.join(map(str, AWQ_GROUP_SIZES))}"
-            )
-        sym = raw.get("sym", not raw.get("zero_point", True))
-        self.scheme = LinearScheme(bits=4, group_size=int(group), sym=bool(sym), checkpoint_format="awq")
-        skip = raw.get("modules_to_not_convert") or []
-        if not isinstance(skip, list) or not all(isinstance(entry, str) for entry in skip):
-            raise SourceFormatError(f"{where}: modules_to_not_convert must be a list of module names, not {skip!r}")
-        self.not_converted = skip
-
-    def scheme_for(self, module: str) -> LinearScheme | None:
-        # AutoAWQ (and transformers' AWQ loader) skips a module when any entry is a substring of its name.
-        if any(entry and entry in module for entry in self.not_converted):
-            return None
-        return self.scheme
-
-    def base_scheme(self) -> LinearScheme:
-        return self.scheme
 
     def _shapes(self, source: TensorSource, module: str, scheme: LinearScheme) -> tuple[int, int]:
         qweight = meta_tensor(source, f"{module}.qweight")
@@ -123,6 +92,3 @@ class AwqSource(SourceFormat):
             f"{module}.qzeros": pack_last(zeros, 4, AWQ_ORDER),
             f"{module}.scales": linear.scales.contiguous(),
         }
-
-    def describe(self) -> str:
-        return f"awq (gemm) 4-bit group {self.scheme.group_size}"

@@ -27,16 +27,12 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from ..errors import RepackError
-from ..gptq import GptqScheme
+from ..schemes import GptqScheme
+from ..source_configs import SourceFormatError
 
 # The scheme of one canonical linear: bits, group size (-1: one group over K), sym, and the source's convention
 # (``checkpoint_format``: "gptq", "gptq_v2", "awq", "pack-quantized"), which only its reader's inverse needs.
 LinearScheme = GptqScheme
-
-
-class SourceFormatError(RepackError):
-    """Tensors or a config that do not follow a source format's conventions; the message names what and where."""
 
 
 @dataclass

@@ -22,12 +22,9 @@ name, or ``"re:<regex>"``) with its ``weights`` arguments, the most specific mat
 
 from __future__ import annotations
 
-import reprlib
-import time
-
-import regex
 import torch
 
+from ..source_configs import CompressedTensorsConfig
 from .base import (
     CanonicalLinear,
     LinearScheme,
@@ -39,85 +36,16 @@ from .base import (
 )
 from .words import pack_last, unpack_last
 
-PACKED_FORMAT = "pack-quantized"
-STRATEGIES = ("group", "channel")
-CT_BITS = (4, 8)
-CT_GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-LINEAR_CLASS = "Linear"
-REGEX_SECONDS = 5.0
 
 
-class CompressedTensorsSource(SourceFormat):
+class CompressedTensorsSource(CompressedTensorsConfig, SourceFormat):
+    """The config (formats/source_configs.py: config_groups, ignore, strategies) and the tensors."""
+
     name = "compressed-tensors"
     marker = "weight_packed"
     suffixes = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
     required = ("weight_packed", "weight_scale", "weight_shape")
-
-    def __init__(self, raw: dict, where: str) -> None:
-        super().__init__(raw, where)
-        groups = raw.get("config_groups")
-        if not isinstance(groups, dict) or not groups:
-            raise SourceFormatError(f"{where}: compressed-tensors config has no config_groups; not a quantized model")
-        status = raw.get("quantization_status", "compressed")
-        if status != "compressed":
-            raise SourceFormatError(
-                f"{where}: quantization_status is {status!r}, not 'compressed'; save the model with "
-                "save_compressed=True"
-            )
-        for key, what in (("sparsity_config", "sparsity compression"), ("transform_config", "weight transforms")):
-            value = raw.get(key) or {}
-            if value and not (key == "sparsity_config" and value.get("format") in (None, "dense")):
-                raise SourceFormatError(
-                    f"{where}: {key} is set ({what}, {reprlib.repr(value)}); repack takes dense pack-quantized weights "
-                    "only, re-quantize without it"
-                )
-        # Why a budget: the regexes come from the checkpoint; one with nested quantifiers can backtrack for hours.
-        self.regex_seconds_left = REGEX_SECONDS
-        self.groups = [self._group(name, group) for name, group in groups.items()]
-        self.ignore = [_pattern(entry, f"{where} ignore") for entry in _strings(raw.get("ignore") or [], where)]
-
-    def _group(self, name: str, group: object) -> tuple[list, LinearScheme | str]:
-        """(target patterns, scheme) of one config group; the scheme is a reason string where we cannot read it,
-        refused only if a stored linear uses the group."""
-        where = f"{self.where} config_groups.{name}"
-        if not isinstance(group, dict):
-            raise SourceFormatError(f"{where}: must be an object, not {reprlib.repr(group)}")
-        targets = [_pattern(entry, f"{where}.targets") for entry in _strings(group.get("targets") or [], where)]
-        return targets, _scheme(group, str(group.get("format") or self.raw.get("format") or ""), where)
-
-    def _matches(self, pattern, module: str) -> bool:
-        if isinstance(pattern, str):
-            return pattern in (module, LINEAR_CLASS)
-        start = time.monotonic()
-        try:
-            return pattern.match(module, timeout=max(self.regex_seconds_left, 1e-3)) is not None
-        except TimeoutError:
-            raise SourceFormatError(
-                f"{self.where}: regex {pattern.pattern!r} takes too long to match module names (nested quantifiers "
-                "backtrack); simplify it"
-            ) from None
-        finally:
-            self.regex_seconds_left -= time.monotonic() - start
-
-    def scheme_for(self, module: str) -> LinearScheme | None:
-        """The scheme of the config group whose target matches ``module`` most specifically (an exact name, then a
-        regex, then the class name "Linear": compressed-tensors' own precedence); None when ignored or untargeted."""
-        if any(self._matches(pattern, module) for pattern in self.ignore):
-            return None
-        best: tuple[int, LinearScheme | str] | None = None
-        for targets, scheme in self.groups:
-            ranks = [_specificity(pattern) for pattern in targets if self._matches(pattern, module)]
-            if ranks and (best is None or min(ranks) < best[0]):
-                best = (min(ranks), scheme)
-        if best is None:
-            return None
-        if isinstance(best[1], str):
-            raise SourceFormatError(f"{module}: {best[1]}")
-        return best[1]
-
-    def base_scheme(self) -> LinearScheme | None:
-        return next((scheme for _, scheme in self.groups if not isinstance(scheme, str)), None)
 
     def _shapes(self, source: TensorSource, module: str, scheme: LinearScheme, shape: tuple[int, int] | None):
         """(K, N) after checking every stored tensor's dtype and shape; ``shape`` is weight_shape's value."""
@@ -213,68 +141,6 @@ class CompressedTensorsSource(SourceFormat):
         if linear.g_idx is not None:
             out[f"{module}.weight_g_idx"] = linear.g_idx.contiguous()
         return out
-
-    def describe(self) -> str:
-        schemes = {s for _, s in self.groups if not isinstance(s, str)}
-        parts = sorted(f"{s.bits}-bit {'channel' if s.group_size == -1 else f'group {s.group_size}'}"
-                       f"{'' if s.sym else ' asym'}" for s in schemes)  # fmt: skip
-        return f"compressed-tensors (pack-quantized) {', '.join(parts)}"
-
-
-def _specificity(pattern) -> int:
-    """0 for an exact module name, 1 for a regex, 2 for the class name "Linear"."""
-    if isinstance(pattern, str):
-        return 2 if pattern == LINEAR_CLASS else 0
-    return 1
-
-
-def _strings(entries: object, where: str) -> list[str]:
-    if isinstance(entries, str):
-        entries = [entries]
-    if not isinstance(entries, list) or not all(isinstance(entry, str) for entry in entries):
-        raise SourceFormatError(f"{where}: expected a list of module names or 're:' patterns, not "
-                                f"{reprlib.repr(entries)}")  # fmt: skip
-    return entries
-
-
-def _pattern(entry: str, where: str):
-    """An exact name (or the class name "Linear") as a string, a ``re:`` entry as a compiled regex."""
-    if not entry.startswith("re:"):
-        return entry
-    try:
-        return regex.compile(entry[3:])
-    except (regex.error, ValueError) as error:
-        raise SourceFormatError(f"{where}: {entry!r} is not a valid regex ({error})") from None
-
-
-def _scheme(group: dict, fmt: str, where: str) -> LinearScheme | str:
-    """The linear scheme of one config group, or why it cannot be converted (one line)."""
-    weights = group.get("weights")
-    if not isinstance(weights, dict):
-        return f"{where} quantizes no weights (weights is {reprlib.repr(weights)}); nothing for repack to pack"
-    if group.get("input_activations"):
-        return (f"{where} also quantizes activations (input_activations set); repack takes weight-only W4A16 / "
-                "W8A16 schemes")  # fmt: skip
-    if fmt != PACKED_FORMAT:
-        return f"{where}: format {fmt!r} is not supported (only {PACKED_FORMAT!r}); save with save_compressed=True"
-    if weights.get("type", "int") != "int":
-        return f"{where}: weight type {weights.get('type')!r} is not supported (integer weights only)"
-    bits = weights.get("num_bits")
-    if bits not in CT_BITS:
-        return f"{where}: {bits}-bit weights are not supported; supported: {', '.join(map(str, CT_BITS))}"
-    if weights.get("dynamic"):
-        return f"{where}: dynamic weight quantization is not supported"
-    strategy = weights.get("strategy")
-    if strategy not in STRATEGIES:
-        return f"{where}: weight strategy {strategy!r} is not supported; supported: {', '.join(STRATEGIES)}"
-    group_size = -1
-    if strategy == "group":
-        group_size = weights.get("group_size")
-        if group_size not in CT_GROUP_SIZES:
-            return (f"{where}: group_size {group_size!r} is not supported; supported: "
-                    f"{', '.join(map(str, CT_GROUP_SIZES))}")  # fmt: skip
-    sym = weights.get("symmetric", True)
-    return LinearScheme(bits=int(bits), group_size=int(group_size), sym=bool(sym), checkpoint_format=PACKED_FORMAT)
 
 
 def exact_float16(scales: torch.Tensor, name: str) -> torch.Tensor:

@@ -4,6 +4,7 @@ working load snippets, and a marker that tells a generated card from an edited o
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -13,7 +14,10 @@ import yaml
 from markdown_it import MarkdownIt
 
 from repack.card import is_generated_card, render_model_card
+from repack.convert import convert
 from repack.formats.manifest import SELF_CHECKSUM, Manifest, self_checksum
+from tests.support.entry_point import run_repack
+from tests.support.fixtures import FIXTURES_DIR
 
 SOURCE_FILES = {
     "config.json": {"sha256": "a" * 64, "size": 1234},
@@ -139,6 +143,16 @@ def test_the_install_line_installs_this_project_from_its_source_url_in_pyproject
     assert "hf" in project["optional-dependencies"]
     assert f"[moe-repack]({project['urls']['Source']})" in body
     assert "make wheel" not in body
+
+
+def test_the_card_repack_push_shows_carries_that_line(tmp_path):
+    """The card as a user gets it from the installed script: `repack push --dry-run` of a real conversion."""
+    out = tmp_path / "out"
+    convert(str(FIXTURES_DIR / "qwen3moe-g128-sym"), out, quiet=True)
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    run = run_repack("push", "me/tiny", out, "--dry-run", env=dict(os.environ, COLUMNS="400"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"`pip install '{project['name']}[hf] @ git+{project['urls']['Source']}'`" in run.stdout
 
 
 def test_speed_table_is_embedded_only_when_given():

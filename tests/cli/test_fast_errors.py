@@ -1,9 +1,12 @@
 """Errors that need no tensor answer at once, through the real `repack` script: one line, under half a second, torch
-never imported; and outputs that could never be published (a link, a mount point, an unwritable folder) are
-refused before any work, with nothing left behind."""
+never imported (a missing or wrong folder, an existing output, a bad option, and what a config alone decides: a
+source that is not JSON, not quantized, of another format or scheme or architecture; a folder not converted yet or
+of a newer format version; a manifest that is not ours); and outputs that could never be published (a link, a
+mount point, an unwritable folder) are refused before any work, with nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,12 +18,47 @@ from pathlib import Path
 
 import pytest
 
-from repack.convert import SLOW_LAYER_ENV
+from repack.convert import SLOW_LAYER_ENV, convert
+from repack.formats.constants import MANIFEST_FILE
+from repack.formats.errors import RepackError
+from repack.formats.manifest import SELF_CHECKSUM
 from tests.support.entry_point import REPACK, error_line, imported_modules, run_repack
 from tests.support.fixtures import FIXTURES_DIR
 
 SRC = FIXTURES_DIR / "qwen3moe-g128-sym"
+CT = FIXTURES_DIR / "ct-qwen3moe-g128-sym"  # no quantize_config.json beside its config.json
+AWQ = FIXTURES_DIR / "awq-qwen3moe-g64-sym"
 NOT_A_FOLDER = "no such folder; pass the output folder of `repack convert`"
+NOT_CONVERTED = "not a repack-moe checkpoint (quant_method 'gptq'); convert it first with `repack convert`"
+
+
+def quant(**values):
+    return lambda config: config["quantization_config"].update(values)
+
+
+# Sources whose config.json alone says they cannot be converted: name -> (fixture, edit of config.json, the line).
+SOURCE_CONFIGS = {
+    "not-json": (SRC, '{"model_type": "qwen3_moe",', "config.json: not valid JSON"),
+    "not-quantized": (CT, lambda config: config.pop("quantization_config"), "this is not a quantized checkpoint"),
+    "other-method": (SRC, quant(quant_method="bitsandbytes"), "quant_method is 'bitsandbytes'; supported source"),
+    "gptq-3-bit": (SRC, quant(bits=3), "3-bit GPTQ is not supported"),
+    "awq-gemv": (AWQ, quant(version="gemv", format="gemv", checkpoint_format="gemv"), "AWQ version 'gemv'"),
+    "ct-not-compressed": (CT, quant(quantization_status="frozen"), "quantization_status is 'frozen'"),
+    "llama": (SRC, lambda config: config.update(model_type="llama"), "unsupported architecture model_type='llama'"),
+}
+
+
+def edited_copy(fixture: Path, folder: Path, edit) -> Path:
+    """A copy of ``fixture`` whose config.json ``edit`` rewrote (new text, or a change to the parsed object)."""
+    shutil.copytree(fixture, folder)
+    path = folder / "config.json"
+    if isinstance(edit, str):
+        path.write_text(edit)
+    else:
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))
+    return folder
 
 
 def fastest(*args: object, attempts: int = 5):
@@ -42,7 +80,23 @@ def cases(tmp_path_factory) -> dict[str, tuple[list, str]]:
     no_config = root / "no-config"
     no_config.mkdir()
     missing = root / "missing"
-    return {
+    converted = root / "converted"
+    convert(str(SRC), converted, quiet=True)  # in-process: only the commands under test run as the real script
+    newer = edited_copy(converted, root / "newer", quant(format_version=99))
+    unsealed = shutil.copytree(converted, root / "unsealed")
+    manifest = json.loads((unsealed / MANIFEST_FILE).read_text())
+    del manifest[SELF_CHECKSUM]
+    (unsealed / MANIFEST_FILE).write_text(json.dumps(manifest))
+    sources = {
+        f"convert-{name}": (["convert", edited_copy(fixture, root / name, edit), root / "out"], expected)
+        for name, (fixture, edit, expected) in SOURCE_CONFIGS.items()
+    }
+    return sources | {
+        "inspect-not-converted": (["inspect", SRC], NOT_CONVERTED),
+        "tune-not-converted": (["tune", SRC], NOT_CONVERTED),
+        "inspect-newer-version": (["inspect", newer], "format_version 99 is not supported by this reader"),
+        "verify-manifest-without-checksum": (["verify", unsealed], "has no manifest_sha256"),
+        "demo-not-empty": (["demo", existing], "folder is not empty; pass --force"),
         "inspect-missing": (["inspect", missing], f"{missing}: {NOT_A_FOLDER}"),
         "verify-missing": (["verify", missing], f"{missing}: {NOT_A_FOLDER}"),
         "push-missing": (["push", "me/model", missing, "--dry-run"], f"{missing}: {NOT_A_FOLDER}"),
@@ -71,6 +125,12 @@ CASES = [
     "convert-linked-folder",
     "convert-shard-size",
     "convert-revision-local",
+    *(f"convert-{name}" for name in SOURCE_CONFIGS),
+    "inspect-not-converted",
+    "tune-not-converted",
+    "inspect-newer-version",
+    "verify-manifest-without-checksum",
+    "demo-not-empty",
 ]
 
 
@@ -82,6 +142,18 @@ def test_errors_without_tensors_answer_in_half_a_second_without_torch(cases, cas
     assert expected in line, line
     assert run.seconds < 0.5, f"{case}: {run.seconds:.2f} s"
     assert "torch" not in imported_modules(*args)
+
+
+@pytest.mark.parametrize("name", SOURCE_CONFIGS)
+def test_a_config_refused_at_once_is_the_conversions_own_line(cases, name: str):
+    """The line the script prints before importing torch is the one the conversion itself ends with (the library's
+    convert(), which lists the files, opens every header and plans before it reads the same config)."""
+    args, _ = cases[f"convert-{name}"]
+    line = error_line(run_repack(*args), code=1)
+    with pytest.raises(RepackError) as raised:
+        convert(str(args[1]), args[2], quiet=True)
+    assert line == "error: " + " ".join(str(raised.value).split())
+    assert not Path(args[2]).exists()
 
 
 def test_a_missing_folder_reads_the_same_in_every_command(cases):

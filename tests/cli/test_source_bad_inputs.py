@@ -119,9 +119,9 @@ def test_ct_sparsity_and_transforms_are_refused(ct, tmp_path, key, value):
 
 def test_ct_backtracking_regex_is_stopped(ct, tmp_path, monkeypatch):
     """The regexes come from the checkpoint: all matching of one config shares a time budget."""
-    import repack.formats.sources.compressed_tensors as compressed_tensors
+    import repack.formats.source_configs as source_configs
 
-    monkeypatch.setattr(compressed_tensors, "REGEX_SECONDS", 0.5)
+    monkeypatch.setattr(source_configs, "REGEX_SECONDS", 0.5)
     edit_config(ct, lambda q: q.update(ignore=[r"re:((.)(?=.)|.)*\d{5}"]))
     convert_fails(ct, tmp_path, "takes too long to match", "simplify it")
 
@@ -198,6 +198,18 @@ def test_awq_wrong_packing_shape(awq, tmp_path):
         awq, lambda t: t.update({f"{EXPERT}.up_proj.qweight": t[f"{EXPERT}.up_proj.qweight"][:, :8].contiguous()})
     )  # half the output words: the qzeros no longer match
     convert_fails(awq, tmp_path, f"{EXPERT}.up_proj.qzeros", "expected int32 [1, 8]")
+
+
+def test_awq_wrong_packing_dtype(awq, tmp_path):
+    edit_weights(awq, lambda t: t.update({f"{EXPERT}.up_proj.qweight": t[f"{EXPERT}.up_proj.qweight"].long()}))
+    convert_fails(awq, tmp_path, f"{EXPERT}.up_proj.qweight", "expected a 2-D int32 tensor (AWQ GEMM, [K, N/8])")
+
+
+@pytest.mark.parametrize("group_size", [48, 256])
+def test_awq_unknown_group_size(awq, tmp_path, group_size):
+    """AWQ's scheme is its group size (no strategy key): one it does not take is named with the ones it does."""
+    edit_config(awq, lambda q: q.update(group_size=group_size))
+    convert_fails(awq, tmp_path, f"AWQ group_size {group_size} is not supported", "32, 64, 128, -1")
 
 
 def test_awq_missing_scales(awq, tmp_path):
