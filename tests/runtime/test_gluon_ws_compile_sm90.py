@@ -1,0 +1,76 @@
+"""The warp-specialized Gluon GEMMs (runtime/kernels/gluon_ws_sm90.py) compile for sm_90 on the CPU as the probe
+launches them: no spills at each register cap, the partitions' register split applied, a wgmma in flight in the K
+loop, and the stages handed over by mbarriers. Gluon has no interpreter, so this is what CI can hold them to until
+benchmarks/probe_gluon_ws.py has run them on a GPU. Runs in a subprocess: the test session sets TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.runtime.test_gluon_compile_sm90 import loop_waits
+from tests.support.sm90 import SM90_SHARED_LIMIT, ptxas_spills
+
+_CHILD = r"""
+import json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from repack.runtime.kernel_config import GluonTile
+from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90 as ws
+
+stages, maxnreg = int(sys.argv[1]), int(sys.argv[2])
+tile = GluonTile(16, 64, 1, stages)
+desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32)))
+types = dict(w_desc=desc, x_ptr="*fp16", inter_ptr="*fp16", out_ptr="*fp16", scales_ptr="*fp16", zeros_ptr="*fp16",
+             topk_weights_ptr="*fp32", zero_ptr="*fp16")
+report = {}
+for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
+    consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=False, BLOCK_M=16, BLOCK_N=64, GROUP_M=1,
+                  STAGES=stages, SCALE_AFTER=gluon_sm90.scale_after(tile, torch.float16),
+                  PRODUCER_REGS=ws.PRODUCER_REGS)
+    consts.update(dict(ZERO_OUT=True) if name == "w13" else dict(ATOMIC=True))
+    sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
+           for n in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
+    k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+    report[name] = dict(shared=k.metadata.shared, ptx=k.asm["ptx"])
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stages", "maxnreg"), [(4, 64), (6, 80), (8, 128)])
+def test_warp_specialized_kernels_compile_for_sm90(stages, maxnreg):
+    env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(stages), str(maxnreg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, kernel in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        where = f"{name} stages={stages} maxnreg={maxnreg}"
+        ptx = kernel["ptx"]
+        assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
+        assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
+        # The partitions' register split (the producer's warpgroup at gluon_ws_sm90.PRODUCER_REGS) is applied.
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+40;", ptx), f"{where}: no producer register split"
+        assert "setmaxnreg.dec" in ptx, f"{where}: no warpgroup gives registers back"
+        assert "cp.async.bulk.tensor" in ptx, f"{where}: the words do not come by TMA"
+        assert "cp.async.mbarrier.arrive" in ptx, f"{where}: the activations' copies do not complete the stage"
+        assert [n for n in loop_waits(ptx) if n >= 1], f"{where}: no wgmma in flight in the K loop"
+        atomics = re.findall(r"\batom\.[\w.]+", ptx)
+        assert all(".relaxed." in a for a in atomics), f"{where}: ordered atomics ({atomics})"
