@@ -286,6 +286,37 @@ if available():
         return gl.convert_layout(weights, a_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
 
     @gluon.jit
+    def _step_words(w_stage, ROWS: gl.constexpr):
+        """A K step's [ROWS, 16] words from the ring as two half steps [ROWS, 8] in the wgmma A fragment's layout."""
+        WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
+        return w_stage.slice(0, 8, dim=1).load(WORD_LAYOUT), w_stage.slice(8, 8, dim=1).load(WORD_LAYOUT)
+
+    @gluon.jit
+    def _step_chunks(low, high, x_stage, acc, part, scale2, bias2, odd2, FIRST: gl.constexpr, LAST: gl.constexpr,
+                     IS_FP16: gl.constexpr, DTYPE: gl.constexpr, BLOCK_M: gl.constexpr,
+                     SCALE_AFTER: gl.constexpr):  # fmt: skip
+        """Chunks FIRST .. LAST - 1 of a K step: each dequantized while the wgmma before it runs (one in flight),
+        into ``acc``, or with SCALE_AFTER into the step's own sum ``part`` (started by chunk 0, scaled into ``acc``
+        after chunk 7)."""
+        for c in gl.static_range(FIRST, LAST):
+            words = low if c < 4 else high
+            a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, DTYPE, BLOCK_M, SCALE_AFTER)
+            b = _x_chunk(x_stage, c, BLOCK_M)
+            if not SCALE_AFTER:
+                acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            elif c > 0:
+                part = warpgroup_mma(a, b, part, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
+            else:  # the step's sum starts from this chunk
+                part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
+        if SCALE_AFTER and LAST == 8:  # the step's last MMA waited for, its sum added scaled once per element
+            part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
+            acc = acc + part * scale2
+        return acc, part
+
+    @gluon.jit
     def _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr):
         """cp.async the [2 * BLOCK_M, 64] activations of the K step at ``k0`` into ``x_stage``: row
         ``h * BLOCK_M + j`` holds inputs ``k0 + 64h .. k0 + 64h + 63`` of the block's token j (act-order: the columns
@@ -335,7 +366,6 @@ if available():
         weight row's first word (copy layout), ``w_ok`` its mask."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         IS_FP16: gl.constexpr = dtype == gl.float16
-        WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         x_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_SMEM_LAYOUT)
         ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
@@ -366,26 +396,11 @@ if available():
                        gl.minimum(step + AHEAD, num_steps - 1) * 128, BLOCK_M, HAS_PERM)  # fmt: skip
             async_copy.commit_group()
             here = step % STAGES
-            w_stage = w_smem.index(here)
-            low = w_stage.slice(0, 8, dim=1).load(WORD_LAYOUT)
-            high = w_stage.slice(8, 8, dim=1).load(WORD_LAYOUT)
-            x_stage = x_smem.index(here)
-            for c in gl.static_range(8):
-                words = low if c < 4 else high
-                a = _dequant_chunk(words, c % 4, scale, bias2, odd2, IS_FP16, dtype, BLOCK_M, SCALE_AFTER)
-                b = _x_chunk(x_stage, c, BLOCK_M)
-                if not SCALE_AFTER:
-                    acc = warpgroup_mma(a, b, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-                elif c > 0:
-                    part = warpgroup_mma(a, b, part, is_async=True)
-                    part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
-                else:  # the step's sum starts from this chunk
-                    part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
-                    part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
-            if SCALE_AFTER:  # the step's last MMA done, its sum scaled once per element
-                part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
-                acc = acc + part * scale
+            low, high = _step_words(w_smem.index(here), ROWS)
+            acc, step_part = _step_chunks(low, high, x_smem.index(here), acc, part, scale, bias2, odd2, 0, 8, IS_FP16,
+                                          dtype, BLOCK_M, SCALE_AFTER)  # fmt: skip
+            if SCALE_AFTER:  # otherwise ``part`` stays out of the loop's carried values
+                part = step_part
             scale, bias2, odd2 = next_quant
         if not SCALE_AFTER:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])

@@ -44,7 +44,6 @@ if gluon_sm90.available():
         fence_async_shared,
         mbarrier,
         tma,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -52,10 +51,10 @@ if gluon_sm90.available():
     from repack.runtime.kernels.gluon_sm90 import (
         X_SMEM_LAYOUT,
         _copy_x,
-        _dequant_chunk,
         _out_pairs,
+        _step_chunks,
         _step_quant,
-        _x_chunk,
+        _step_words,
         _zero_share,
         acc_layout,
         out_layout,
@@ -128,7 +127,6 @@ if gluon_sm90.available():
         Each stage is freed once the wgmma after its last one has been waited for (one stays in flight)."""
         STAGES: gl.constexpr = w_smem.shape[0]
         IS_FP16: gl.constexpr = gl.float16 == DTYPE
-        WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
         scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
         scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
@@ -143,26 +141,16 @@ if gluon_sm90.available():
                                      stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
             fence_async_shared()  # the activations came by cp.async (generic proxy); the wgmma reads them (async)
-            w_stage = w_smem.index(stage)
-            low = w_stage.slice(0, 8, dim=1).load(WORD_LAYOUT)
-            high = w_stage.slice(8, 8, dim=1).load(WORD_LAYOUT)
+            low, high = _step_words(w_smem.index(stage), ROWS)
             x_stage = x_smem.index(stage)
-            for c in gl.static_range(8):
-                words = low if c < 4 else high
-                a = _dequant_chunk(words, c % 4, scale, bias2, odd2, IS_FP16, DTYPE, BLOCK_M, SCALE_AFTER)
-                b = _x_chunk(x_stage, c, BLOCK_M)
-                if not SCALE_AFTER:
-                    acc = warpgroup_mma(a, b, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-                else:
-                    part = warpgroup_mma(a, b, part, use_acc=c > 0, is_async=True)
-                    part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
-                if c == 0:  # the previous step's last wgmma has retired: its stage may be refilled
-                    fence_async_shared()  # this warpgroup's reads of that stage before the TMA writes into it
-                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=step > 0)
-            if SCALE_AFTER:
-                part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
-                acc = acc + part * scale
+            acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 0, 1, IS_FP16, DTYPE,
+                                     BLOCK_M, SCALE_AFTER)  # fmt: skip
+            # The previous step's last wgmma has retired (one stays in flight): its stage may be refilled, after
+            # this warpgroup's reads of it are ordered before the TMA's writes.
+            fence_async_shared()
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=step > 0)
+            acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
+                                     BLOCK_M, SCALE_AFTER)  # fmt: skip
             scale, bias2, odd2 = next_quant
             it += 1
         if not SCALE_AFTER:
@@ -261,65 +249,16 @@ if gluon_sm90.available():
         if ZERO_OUT:
             _zero_share(zero_ptr, zero_numel)
         w_smem, x_smem, ready, empty = _ring(DTYPE, 2 * BLOCK_N, BLOCK_M, STAGES)
-        gl.warp_specialize(
-            [
-                (
-                    _w13_consumer,
-                    (
-                        w_smem,
-                        x_smem,
-                        ready,
-                        empty,
-                        scales_ptr,
-                        zeros_ptr,
-                        inter_ptr,
-                        sorted_pairs_ptr,
-                        block_experts_ptr,
-                        num_blocks_ptr,
-                        num_pairs,
-                        N,
-                        K,
-                        stride_s_e,
-                        stride_s_g,
-                        stride_inter,
-                        GROUP_LEN,
-                        SYM_ZERO,
-                        HAS_ZEROS,
-                        BLOCK_M,
-                        BLOCK_N,
-                        GROUP_M,
-                        SCALE_AFTER,
-                        DTYPE,
-                    ),
-                ),  # fmt: skip
-                (
-                    _producer,
-                    (
-                        w_desc,
-                        x_ptr,
-                        sorted_pairs_ptr,
-                        block_experts_ptr,
-                        num_blocks_ptr,
-                        w_smem,
-                        x_smem,
-                        ready,
-                        empty,
-                        num_pairs,
-                        2 * N,
-                        N,
-                        K,
-                        stride_x,
-                        TOP_K,
-                        BLOCK_M,
-                        BLOCK_N,
-                        GROUP_M,
-                        2 * BLOCK_N // _BOX_ROWS,
-                    ),
-                ),  # fmt: skip
-            ],
-            [1],
-            [PRODUCER_REGS],
-        )
+        # fmt: off
+        gl.warp_specialize([
+            (_w13_consumer, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, inter_ptr, sorted_pairs_ptr,
+                             block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g, stride_inter,
+                             GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE)),
+            (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
+                         empty, num_pairs, 2 * N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
+                         2 * BLOCK_N // _BOX_ROWS)),
+        ], [1], [PRODUCER_REGS])
+        # fmt: on
 
     @gluon.jit
     def _w2_ws_kernel(
@@ -332,68 +271,17 @@ if gluon_sm90.available():
         """out (+)= route weight * inter W2^T over the aligned blocks."""
         DTYPE: gl.constexpr = inter_ptr.dtype.element_ty
         w_smem, x_smem, ready, empty = _ring(DTYPE, BLOCK_N, BLOCK_M, STAGES)
-        gl.warp_specialize(
-            [
-                (
-                    _w2_consumer,
-                    (
-                        w_smem,
-                        x_smem,
-                        ready,
-                        empty,
-                        scales_ptr,
-                        zeros_ptr,
-                        topk_weights_ptr,
-                        out_ptr,
-                        sorted_pairs_ptr,
-                        block_experts_ptr,
-                        num_blocks_ptr,
-                        num_pairs,
-                        N,
-                        K,
-                        stride_s_e,
-                        stride_s_g,
-                        stride_out,
-                        TOP_K,
-                        GROUP_LEN,
-                        SYM_ZERO,
-                        HAS_ZEROS,
-                        ATOMIC,
-                        BLOCK_M,
-                        BLOCK_N,
-                        GROUP_M,
-                        SCALE_AFTER,
-                        DTYPE,
-                    ),
-                ),  # fmt: skip
-                (
-                    _producer,
-                    (
-                        w_desc,
-                        inter_ptr,
-                        sorted_pairs_ptr,
-                        block_experts_ptr,
-                        num_blocks_ptr,
-                        w_smem,
-                        x_smem,
-                        ready,
-                        empty,
-                        num_pairs,
-                        N,
-                        N,
-                        K,
-                        stride_inter,
-                        1,
-                        BLOCK_M,
-                        BLOCK_N,
-                        GROUP_M,
-                        BLOCK_N // _BOX_ROWS,
-                    ),
-                ),  # fmt: skip
-            ],
-            [1],
-            [PRODUCER_REGS],
-        )
+        # fmt: off
+        gl.warp_specialize([
+            (_w2_consumer, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
+                            sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e,
+                            stride_s_g, stride_out, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N,
+                            GROUP_M, SCALE_AFTER, DTYPE)),
+            (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
+                         ready, empty, num_pairs, N, N, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
+                         BLOCK_N // _BOX_ROWS)),
+        ], [1], [PRODUCER_REGS])
+        # fmt: on
 
 
 # ---------------------------------------------------------------------------------------------------------------
