@@ -10,6 +10,8 @@ makes the two changes without editing it, so every checkout measures the same wa
 - the project variant runs the layer as MoeBlock and the vLLM plugin do, from router logits through
   ``repack.runtime.fused_moe.routed_moe`` (routing inside the call's first launch where that is faster:
   runtime/kernels/align.py, decode.py), not ``route()`` and then ``fused_moe``;
+- ``project:NAME=VALUE[;NAME=VALUE]`` in ANCHOR_VARIANTS adds the project's call under those environment settings
+  (``project:REPACK_GLUON_WS=0``: without the warp-specialized kernels), timed beside the others;
 - every timed variant, Marlin's too, is profiled over the same CUDA graph (benchmarks/launch_profile.py), one row
   per launch, which ``anchor_report.py --launches`` tabulates.
 
@@ -42,6 +44,25 @@ def load_harness(path: Path = HARNESS) -> ModuleType:
     return module
 
 
+def with_environment(step, settings: dict[str, str]):
+    """``step`` run with ``settings`` in os.environ (the runtime's switches, read as each call is planned: the
+    CUDA-graph capture plans the calls it replays), the environment restored after."""
+
+    def run(i):
+        saved = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
+        try:
+            return step(i)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    return run
+
+
 def adapt(harness: ModuleType) -> None:
     """Patch the harness in place: the project variant through routed_moe, every timing with its launches."""
     make_variants, time_graph = harness.make_variants, harness.time_graph
@@ -58,6 +79,11 @@ def adapt(harness: ModuleType) -> None:
                 return routed_moe(xs[i], stacks[i], logits, m.top_k, m.renorm)
 
             variants["project"] = (project, copies, ctx, dict(info, entry="routed_moe"))
+            for name in which:  # "project:NAME=VALUE[;NAME=VALUE]": the same call under those environment settings
+                if name.startswith("project:"):
+                    settings = dict(item.split("=", 1) for item in name.removeprefix("project:").split(";"))
+                    variants[name] = (with_environment(project, settings), copies, ctx,
+                                      dict(info, entry="routed_moe", environment=settings))  # fmt: skip
         return variants
 
     def profiled_time_graph(step, copies, *args, **kwargs):

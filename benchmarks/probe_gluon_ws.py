@@ -28,7 +28,6 @@ from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90
 from repack.runtime.kernels.align import route_and_align
 from repack.runtime.tune import time_graph
 
-MAXNREG = {2: 128, 3: 80, 4: 64}  # register cap for P programs of 8 warps' allocation per SM (65536 registers)
 T0 = time.time()
 
 
@@ -37,28 +36,29 @@ def log(msg: str) -> None:
 
 
 def run_variant(variant: str, x, stack, ids, w, rows, inter, target, tile: GluonTile) -> None:
+    reduce = gluon_sm90.heuristic_reduce(x.dtype)
     if variant == "base":
         config = KernelConfig(Family.GLUON_SM90, block_m=tile.block_m, block_n=64, block_k=128, group_m=1,
-                              num_warps=4, num_stages=3, gluon=tile, reduce="out")  # fmt: skip
+                              num_warps=4, num_stages=3, gluon=tile, reduce=reduce)  # fmt: skip
         gluon_sm90.launch(x, stack, ids, w, rows, inter, target, config)
     else:
         _, per_sm, stages = variant.split("-")
-        ws_tile = GluonTile(tile.block_m, tile.block_n, tile.group_m, int(stages))
-        gluon_ws_sm90.launch(x, stack, ids, w, rows, inter, target, ws_tile, "out", per_sm=int(per_sm),
-                             maxnreg=MAXNREG[int(per_sm)])  # fmt: skip
+        ws_tile = GluonTile(tile.block_m, tile.block_n, tile.group_m, int(stages), per_sm=int(per_sm))
+        gluon_ws_sm90.launch(x, stack, ids, w, rows, inter, target, ws_tile, reduce)
 
 
-def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile) -> list[dict]:
+def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile, dtype: torch.dtype) -> list[dict]:
     """Every variant on one routing of ``m`` tokens: checked against float32 at min(m, 16) tokens, then timed."""
-    x, logits = random_inputs(case, torch.float16, m, "cuda")
+    x, logits = random_inputs(case, dtype, m, "cuda")
     w, ids, rows = route_and_align(logits, case.top_k, case.renormalize, tile.block_m)
     inter = torch.empty(ids.numel(), case.inter, dtype=x.dtype, device=x.device)
-    target = torch.empty(m, case.hidden, dtype=x.dtype, device=x.device)
+    pairs = gluon_sm90.heuristic_reduce(dtype) == "pairs"
+    target = torch.empty(ids.numel() if pairs else m, case.hidden, dtype=x.dtype, device=x.device)
     n = min(m, 16)
     ref = reference_moe(case, x[:n], stacks[0], ids[:n], w[:n])
     rows_out = []
     for variant in variants:
-        row = dict(model=case.name, M=m, variant=variant)
+        row = dict(model=case.name, M=m, variant=variant, dtype=str(dtype).removeprefix("torch."))
 
         def step(i: int, variant: str = variant) -> None:
             run_variant(variant, x, stacks[i], ids, w, rows, inter, target, tile)
@@ -71,7 +71,8 @@ def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile) ->
             target.fill_(float("nan"))
             step(0)
             torch.cuda.synchronize()
-            row["err"] = rel_err(target[:n], ref)
+            out = target.view(m, -1, case.hidden).float().sum(1) if pairs else target  # bf16: rows per pair
+            row["err"] = rel_err(out[:n], ref)
             row["us"] = time_graph(calls, 20) / len(stacks)
             row["launches"] = profile_graph(step, len(stacks))
             log(f"{case.name:12s} M={m:4d} {variant:8s} {row['us']:8.1f} us err {row['err']:.1e} | "
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--models", default="qwen2-57b,mixtral-8x7b,qwen3-30b,qwen3-235b,dsv3")
     parser.add_argument("--ms", default="4,16,64")
     parser.add_argument("--variants", default="base,ws-4-4,ws-2-8,ws-3-6")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -102,7 +104,7 @@ def main() -> None:
         per_token = case.top_k * 3 * case.hidden * case.inter / 2
         stacks = random_stack(case.experts, case.hidden, case.inter, rotation(per_token * min(ms)))
         for m in ms:
-            results += measure(case, m, stacks, args.variants.split(","), tile)
+            results += measure(case, m, stacks, args.variants.split(","), tile, getattr(torch, args.dtype))
             out_path.write_text(json.dumps(results, indent=1))
         del stacks
         torch.cuda.empty_cache()

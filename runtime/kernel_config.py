@@ -44,14 +44,21 @@ class Family(str, Enum):
     GPTQ_ORDER = "gptq_order"  # tensor cores, tokens as the A operand, gptq-order words only: kernels/gptq_order.py
 
 
+# Register cap per thread of the warp-specialized kernels, by persistent programs per SM: P programs of two
+# warpgroups' allocation (the producer warp's group and the consumer's) share the SM's 65536 registers.
+PERSISTENT_REGISTERS = {2: 128, 3: 80, 4: 64}
+
+
 @dataclass(frozen=True)
 class GluonTile:
     """The Gluon sm_90 kernels' launch shape: ``block_m`` tokens (the wgmma N), ``block_n`` output channels per
     w13 program (``2 * block_n`` weight rows: gate and up), ``group_m`` token blocks per weight-tile group,
     ``stages`` K steps in the shared-memory ring, ``warps`` 4 or 8 (one or two warpgroups sharing the block's
     activations: twice the weight rows per activation byte read, benchmarks/KERNEL_NOTES.md item 16) and
-    ``w2_block_n`` w2's weight rows per program (0: the w13 tile's row count, at least 64).
-    JSON: ``"GLUON": [block_m, block_n, group_m(, stages(, warps(, w2_block_n)))]``."""
+    ``w2_block_n`` w2's weight rows per program (0: the w13 tile's row count, at least 64) and ``per_sm``: 0 for
+    one program per tile (kernels/gluon_sm90.py), else the warp-specialized persistent kernels with that many
+    programs on every SM (kernels/gluon_ws_sm90.py: one warpgroup, 64 channels, KERNEL_NOTES.md item 25).
+    JSON: ``"GLUON": [block_m, block_n, group_m(, stages(, warps(, w2_block_n(, per_sm))))]``."""
 
     block_m: int
     block_n: int
@@ -59,6 +66,7 @@ class GluonTile:
     stages: int = 4
     warps: int = 4
     w2_block_n: int = 0
+    per_sm: int = 0
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32, 64, 128) or self.block_n not in (64, 128, 256):
@@ -72,6 +80,16 @@ class GluonTile:
             raise RepackError(
                 f"kernel config: GLUON: warps {self.warps} / w2_block_n {self.w2_block_n}; use warps 4 or 8 and "
                 "w2_block_n 0 (the w13 rows), 64, 128 or 256"
+            )
+        if self.per_sm not in PERSISTENT_REGISTERS and self.per_sm != 0:
+            raise RepackError(
+                f"kernel config: GLUON: per_sm {self.per_sm}; use 0 (a program per tile) or "
+                f"{'/'.join(map(str, PERSISTENT_REGISTERS))} persistent programs per SM"
+            )
+        if self.per_sm and (self.warps != 4 or self.block_n != 64 or self.w2_rows != 64):
+            raise RepackError(
+                f"kernel config: GLUON: per_sm {self.per_sm} (warp-specialized) takes one warpgroup and 64 "
+                f"channels, not warps {self.warps}, block_n {self.block_n}, w2_block_n {self.w2_block_n}"
             )
         # Each warp owns 16 weight rows; w13's gate/up halves must split on a register bit, not a warp bit.
         if self.block_n < 16 * self.warps or self.w2_rows < 16 * self.warps:
@@ -88,18 +106,18 @@ class GluonTile:
     def from_list(cls, entry: object) -> GluonTile:
         if (
             not isinstance(entry, (list, tuple))
-            or not 2 <= len(entry) <= 6
+            or not 2 <= len(entry) <= 7
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
         ):
             raise RepackError(
-                "kernel config: GLUON must be [block_m, block_n, group_m(, stages(, warps(, w2_block_n)))], "
+                "kernel config: GLUON must be [block_m, block_n, group_m(, stages(, warps(, w2_block_n(, per_sm))))], "
                 f"not {entry!r}"
             )
         return cls(*entry)
 
     def to_list(self) -> list[int]:
-        values = [self.block_m, self.block_n, self.group_m, self.stages, self.warps, self.w2_block_n]
-        while len(values) > 4 and values[-1] == (4, 0)[len(values) - 5]:  # trailing defaults left out
+        values = [self.block_m, self.block_n, self.group_m, self.stages, self.warps, self.w2_block_n, self.per_sm]
+        while len(values) > 4 and values[-1] == (4, 0, 0)[len(values) - 5]:  # trailing defaults left out
             values.pop()
         return values
 

@@ -75,6 +75,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
 
 STEP_K = 128  # K values per step: 16 int32 words per row, eight 16-deep wgmmas
 PORTABLE_ENV = "REPACK_PORTABLE_KERNELS"  # "1": never these kernels (the tl kernels everywhere)
+WS_ENV = "REPACK_GLUON_WS"  # "0": one program per tile, never the warp-specialized kernels (a tile's per_sm ignored)
 GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": these kernels for every aligned tensor-core call they can run, their tile
 # Act-order stacks: each pair's row gathered once (kernels/act_order.py), then the plain kernels; False keeps the
 # in-loop column gather (the comparison benchmarks/probe_glue.py measures).
@@ -101,14 +102,36 @@ def reads(weights: MoeWeights) -> bool:
     return weights.mma_order and weights.bits == 4
 
 
+# The 16-token tile, warp-specialized and persistent: 4 programs on every SM (probe_gluon_ws on the H200, fp16,
+# M = 4-64: Qwen2-57B 17-20% and Mixtral 9-28% faster than one program per tile, KERNEL_NOTES.md item 25).
+PERSISTENT_16 = GluonTile(16, 64, 1, 4, per_sm=4)
+
+
+def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> bool:
+    """Whether the warp-specialized kernels run ``tile`` without spilling: at 4 programs per SM (64 registers a
+    thread) only symmetric fp16 stacks do; asymmetric zeros and bf16's step-scaled sum spill there
+    (tests/runtime/test_gluon_ws_compile_sm90.py compiles them at 80)."""
+    return tile.per_sm != 4 or (weights.w13_zeros is None and dtype == torch.float16)
+
+
+def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> GluonTile:
+    """``tile`` as it runs: one program per tile (this module's kernels) where the warp-specialized ones do not
+    fit (:func:`persistent_fits`) or $WS_ENV is "0"."""
+    if tile.per_sm and (os.environ.get(WS_ENV, "") == "0" or not persistent_fits(tile, weights, dtype)):
+        return replace(tile, per_sm=0)
+    return tile
+
+
 def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.float16) -> GluonTile:
-    """A tile for a shape nobody tuned: the token tile follows the rows each expert gets; past 48 two warpgroups
-    share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16). bf16 keeps the
-    32-token tile up to 48 rows per expert: it scales each K step's sum (:func:`scale_after`), the 64-token tile
-    each weight (Qwen2-57B M=256 on the H200: 533 against the tl kernels' 648 us, KERNEL_NOTES.md item 20)."""
+    """A tile for a shape nobody tuned: the token tile follows the rows each expert gets (up to 8, the persistent
+    warp-specialized kernels where they fit: :data:`PERSISTENT_16`, :func:`fitted_tile`); past 48 two
+    warpgroups share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16). bf16
+    keeps the 32-token tile up to 48 rows per expert: it scales each K step's sum (:func:`scale_after`), the
+    64-token tile each weight (Qwen2-57B M=256 on the H200: 533 against the tl kernels' 648 us, KERNEL_NOTES.md
+    item 20)."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 8:
-        return GluonTile(16, 64, 1)
+        return PERSISTENT_16
     if per_expert <= (48 if dtype == torch.bfloat16 else 24):
         return GluonTile(32, 64, 4)
     if per_expert <= 48:
@@ -136,7 +159,8 @@ def preferred(weights: MoeWeights, dtype: torch.dtype) -> bool:
 
 # Every tile heuristic_tile picks: the CPU compile test builds each for sm_90.
 SHIPPED_TILES = (
-    GluonTile(16, 64, 1),
+    PERSISTENT_16,
+    GluonTile(16, 64, 1),  # PERSISTENT_16 where it does not fit
     GluonTile(32, 64, 4),
     GluonTile(64, 64, 8),
     GluonTile(128, 128, 8, 4, 8),
@@ -641,7 +665,7 @@ class GluonSm90(KernelFamily):
                 return None
             tile = heuristic_tile(call.num_pairs, call.weights.num_experts, call.dtype)
             reduce = heuristic_reduce(call.dtype)
-        return replace(config, family=self.family, gluon=tile, reduce=reduce)
+        return replace(config, family=self.family, gluon=fitted_tile(tile, call.weights, call.dtype), reduce=reduce)
 
     def heuristic(self, call: Call) -> KernelConfig | None:
         """Where these kernels run and are :func:`preferred` (or $GLUON_ENV asks): their heuristic's tile and sum,
@@ -659,8 +683,14 @@ class GluonSm90(KernelFamily):
         if weights.w13_perm is not None and ACT_ORDER_GATHER:
             x, x_per_pair = gather_act_order(x, work.topk_ids, weights.w13_perm), True
             weights = replace(weights, w13_perm=None)
-        launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config,
-               x_per_pair=x_per_pair)  # fmt: skip
+        if config.gluon.per_sm:  # the warp-specialized module imports this one
+            from repack.runtime.kernels import gluon_ws_sm90
+
+            gluon_ws_sm90.launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target,
+                                 config.gluon, config.reduce, x_per_pair=x_per_pair)  # fmt: skip
+        else:
+            launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config,
+                   x_per_pair=x_per_pair)  # fmt: skip
 
 
 FAMILY = GluonSm90()

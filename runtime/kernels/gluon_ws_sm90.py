@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from repack.runtime.kernel_config import GluonTile
+from repack.runtime.kernel_config import PERSISTENT_REGISTERS, GluonTile
 from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.common import tile_ids
@@ -302,21 +302,21 @@ def programs(tiles: int, device: torch.device, per_sm: int) -> int:
 
 
 def launch(
-    x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
+    x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H; [P, H] with x_per_pair
     weights: MoeWeights,  # an mma128 stack without act-order (gluon_sm90.reads)
     topk_ids: torch.Tensor,  # [M, T]
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment,  # pairs sorted by expert into blocks of tile.block_m
     inter: torch.Tensor,  # [P, I] activation dtype
     target: torch.Tensor,  # [P, H] ("pairs") or [M, H] added to ("out", "atomic")
-    tile: GluonTile,  # block_m tokens, block_n = 64 channels (one warpgroup: 128 w13 rows, 64 w2 rows), stages
+    tile: GluonTile,  # block_m tokens, 64 channels (one warpgroup: 128 w13 rows, 64 w2 rows), stages, per_sm > 0
     reduce: str,  # "pairs", "out" or "atomic" (runtime/kernel_config.py)
-    per_sm: int = 4,  # persistent programs per SM
-    maxnreg: int = 64,  # register cap of every thread at launch: 4 programs of 8 warps' allocation per SM
+    x_per_pair: bool = False,  # x is [P, H], one row per pair (act-order rows gathered by kernels/act_order.py)
 ) -> None:
-    """w13 then w2, warp-specialized and persistent, on the same inputs as :func:`gluon_sm90.launch`."""
-    if weights.w13_perm is not None or tile.warps != 4 or tile.block_n != 64 or rows.block_m != tile.block_m:
-        raise ValueError(f"gluon_ws_sm90.launch: tile {tile} / act-order: one warpgroup, 64 channels, plain stacks")
+    """w13 then w2, warp-specialized and persistent (``tile.per_sm`` programs per SM, their register cap from
+    kernel_config.PERSISTENT_REGISTERS), on the same inputs as :func:`gluon_sm90.launch`."""
+    if weights.w13_perm is not None or not tile.per_sm or rows.block_m != tile.block_m:
+        raise ValueError(f"gluon_ws_sm90.launch: tile {tile} / act-order: a per_sm tile and plain stacks")
     atomic = reduce != "pairs"
     top_k, h, n_inter, num_pairs = topk_ids.shape[1], weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
@@ -325,15 +325,15 @@ def launch(
     s13, s2 = weights.w13_scales, weights.w2_scales
     common = dict(SYM_ZERO=8, HAS_ZEROS=has_zeros, BLOCK_M=tile.block_m, GROUP_M=tile.group_m, STAGES=tile.stages,
                   SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-                  maxnreg=maxnreg)  # fmt: skip
-    grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, 64), x.device, per_sm),)
+                  maxnreg=PERSISTENT_REGISTERS[tile.per_sm])  # fmt: skip
+    grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, 64), x.device, tile.per_sm),)
     _w13_ws_kernel[grid13](
         words_descriptor(weights.w13_qweight), x, s13, zeros13, inter, rows.sorted_pairs, rows.block_experts,
         rows.num_blocks, target, num_pairs, n_inter, h, target.numel() if atomic else 0, x.stride(0), s13.stride(0),
-        s13.stride(1), inter.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(h), ZERO_OUT=atomic, BLOCK_N=64,
-        **common,
+        s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
+        ZERO_OUT=atomic, BLOCK_N=64, **common,
     )  # fmt: skip
-    grid2 = (programs(rows.max_blocks * triton.cdiv(h, 64), x.device, per_sm),)
+    grid2 = (programs(rows.max_blocks * triton.cdiv(h, 64), x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
         words_descriptor(weights.w2_qweight), inter, s2, zeros2, topk_weights, target, rows.sorted_pairs,
         rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0), s2.stride(0), s2.stride(1),

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from repack.runtime.kernel_config import PERSISTENT_REGISTERS, GluonTile
+from repack.runtime.tune import GLUON_TILES
 from tests.runtime.test_gluon_compile_sm90 import loop_waits
 from tests.support.sm90 import SM90_SHARED_LIMIT, ptxas_spills
 
@@ -27,16 +29,19 @@ from triton.runtime.jit import mangle_type
 from repack.runtime.kernel_config import GluonTile
 from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90 as ws
 
-stages, maxnreg = int(sys.argv[1]), int(sys.argv[2])
-tile = GluonTile(16, 64, 1, stages)
+from repack.runtime.kernel_config import PERSISTENT_REGISTERS
+
+tile, act, asym = GluonTile(*json.loads(sys.argv[1])), sys.argv[2], sys.argv[3] == "1"
+maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
+ptr = "*bf16" if act == "bfloat16" else "*fp16"
 desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32)))
-types = dict(w_desc=desc, x_ptr="*fp16", inter_ptr="*fp16", out_ptr="*fp16", scales_ptr="*fp16", zeros_ptr="*fp16",
-             topk_weights_ptr="*fp32", zero_ptr="*fp16")
+types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, scales_ptr="*fp16",
+             zeros_ptr="*u8" if asym else "*fp16", topk_weights_ptr="*fp32", zero_ptr=ptr)
 report = {}
 for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
-    consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=False, BLOCK_M=16, BLOCK_N=64, GROUP_M=1,
-                  STAGES=stages, SCALE_AFTER=gluon_sm90.scale_after(tile, torch.float16),
-                  PRODUCER_REGS=ws.PRODUCER_REGS)
+    consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m, BLOCK_N=64,
+                  GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=ws.PRODUCER_REGS,
+                  SCALE_AFTER=gluon_sm90.scale_after(tile, getattr(torch, act)))
     consts.update(dict(ZERO_OUT=True) if name == "w13" else dict(ATOMIC=True))
     sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in kernel.arg_names}
@@ -49,12 +54,25 @@ print(json.dumps(report))
 """
 
 
+def _cases() -> list[tuple[GluonTile, str, bool]]:
+    """Every warp-specialized tile `repack tune` may pick (the heuristic's among them) and the probe's other ring
+    depths and register caps (benchmarks/probe_gluon_ws.py) in fp16; bf16 and asymmetric zeros at 80 registers,
+    where gluon_sm90.persistent_fits sends them (at 64, w13 spills)."""
+    shipped = [t for t in GLUON_TILES if t.per_sm]
+    probed = [GluonTile(16, 64, 1, 6, per_sm=3), GluonTile(16, 64, 1, 8, per_sm=2)]
+    wide = GluonTile(16, 64, 1, 4, per_sm=3)
+    return [(t, "float16", False) for t in shipped + probed] + [(wide, "bfloat16", False), (wide, "float16", True)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("stages", "maxnreg"), [(4, 64), (6, 80), (8, 128)])
-def test_warp_specialized_kernels_compile_for_sm90(stages, maxnreg):
+@pytest.mark.parametrize(
+    ("tile", "act", "asym"), _cases(), ids=lambda v: str(v.to_list()) if isinstance(v, GluonTile) else str(v)
+)
+def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym):
     env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
+    maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(stages), str(maxnreg)],
+        [sys.executable, "-c", _CHILD, json.dumps(tile.to_list()), act, "1" if asym else "0"],
         capture_output=True,
         text=True,
         env=env,
@@ -62,7 +80,7 @@ def test_warp_specialized_kernels_compile_for_sm90(stages, maxnreg):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, kernel in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-        where = f"{name} stages={stages} maxnreg={maxnreg}"
+        where = f"{name} {tile} {act}{' asym' if asym else ''} maxnreg={maxnreg}"
         ptx = kernel["ptx"]
         assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
         assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"

@@ -106,7 +106,8 @@ def test_a_tile_or_the_variable_asks_for_gluon_and_portable_vetoes_it(sm90, monk
     monkeypatch.setenv(GLUON_ENV, "1")
     for entry in (WEIGHT_MAJOR, dict(TILE, FAMILY="gptq_order"), GLUON):
         planned = choose_family(stack, KernelConfig.from_dict(entry), CPU, BF16, 16)[1]
-        assert planned.family is Family.GLUON_SM90 and planned.gluon == gluon_sm90.heuristic_tile(16, 2)
+        tile = gluon_sm90.fitted_tile(gluon_sm90.heuristic_tile(16, 2), stack, BF16)
+        assert planned.family is Family.GLUON_SM90 and planned.gluon == tile
     assert family(zero_stack(act_order=True), GLUON, FP16, 16) is Family.GLUON_SM90
     monkeypatch.setattr(gluon_sm90, "ACT_ORDER_GATHER", False)
     assert family(zero_stack(act_order=True), GLUON, FP16, 16) is Family.GLUON_SM90  # asked for: no preference
@@ -151,6 +152,9 @@ def test_family_and_gluon_keys_round_trip_and_bad_ones_are_one_line_errors():
     assert KernelConfig.from_dict(dict(WEIGHT_MAJOR, DIRECT=True)).to_dict() == dict(WEIGHT_MAJOR, DIRECT=True)
     assert KernelConfig.from_dict(dict(TILE, FAMILY="decode", DIRECT=True)).to_dict() == dict(TILE, FAMILY="decode")
     assert "GLUON" not in KernelConfig.from_dict(GLUON).to_dict()
+    persistent = dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 3])
+    assert KernelConfig.from_dict(persistent).gluon == GluonTile(16, 64, 1, per_sm=3)
+    assert KernelConfig.from_dict(persistent).to_dict() == persistent
     bad = [
         (dict(GLUON, GLUON=[64, 64, 8, 4, 8]), "8 warps need"),
         (dict(GLUON, GLUON=[24, 64, 1]), "unsupported tile"),
@@ -159,6 +163,10 @@ def test_family_and_gluon_keys_round_trip_and_bad_ones_are_one_line_errors():
         (dict(TILE, FAMILY="marlin"), "FAMILY must be one of decode, gluon_sm90, weight_major, gptq_order"),
         (dict(TILE, FAMILY="decode", DIRECT=False), "decode kernels run one program per pair"),
         (dict(GLUON, DIRECT=True), "DIRECT .* is a decode or weight_major mode, not gluon_sm90's"),
+        (dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 5]), "per_sm 5; use 0 .* or 2/3/4 persistent programs per SM"),
+        (dict(GLUON, GLUON=[16, 128, 1, 4, 4, 0, 4]), "takes one warpgroup and 64 channels"),
+        (dict(GLUON, GLUON=[64, 64, 8, 4, 8, 0, 4]), "8 warps need|takes one warpgroup"),
+        (dict(GLUON, GLUON=[16, 64, 1, 4, 4, 128, 4]), "takes one warpgroup and 64 channels"),
     ]
     for entry, message in bad:
         with pytest.raises(RepackError, match=message) as info:
@@ -206,7 +214,7 @@ def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm9
         if entry.family is Family.DECODE:
             assert plan.family.family is Family.DECODE and plan.config == entry and plan.block_m is None
         else:
-            tile = gluon_sm90.heuristic_tile(m * 4, 60, dtype)
+            tile = gluon_sm90.fitted_tile(gluon_sm90.heuristic_tile(m * 4, 60, dtype), stack, dtype)
             assert plan.family.family is Family.GLUON_SM90 and plan.config.gluon == tile
             assert plan.config.reduce == gluon_sm90.heuristic_reduce(dtype) and plan.block_m == tile.block_m
 
@@ -233,3 +241,25 @@ def test_decode_leaves_few_pairs_to_gluon_where_gluon_streams_them_faster(sm90, 
     assert picked(qwen, 8) is Family.DECODE and picked(qwen, 64) is Family.DECODE
     monkeypatch.setenv(PORTABLE_ENV, "1")
     assert picked(dsv3, 8) is Family.DECODE and picked(mixtral, 8) is Family.DECODE
+
+
+def test_few_rows_per_expert_take_the_persistent_kernels_where_they_fit(sm90, monkeypatch):
+    """Up to 8 rows per expert the heuristic's tile is the warp-specialized one (gluon_sm90.PERSISTENT_16); it runs
+    as such on symmetric fp16 stacks only (at 64 registers bf16 and asymmetric zeros spill), and $REPACK_GLUON_WS=0
+    turns it off, each time for gluon_sm90's one program per tile of the same shape."""
+    from repack.runtime.kernels.gluon_sm90 import WS_ENV
+
+    sym, asym = zero_stack(), zero_stack()
+    asym = MoeWeights(**{**asym.__dict__, "w13_zeros": torch.zeros(2, 2, 256, dtype=torch.uint8),
+                         "w2_zeros": torch.zeros(2, 1, 256, dtype=torch.uint8)})  # fmt: skip
+    plain = GluonTile(16, 64, 1)
+    assert gluon_sm90.heuristic_tile(16, 2) == gluon_sm90.PERSISTENT_16 == GluonTile(16, 64, 1, per_sm=4)
+    assert gluon_sm90.heuristic_tile(32, 2) == GluonTile(32, 64, 4)  # more rows: one program per tile
+    assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == gluon_sm90.PERSISTENT_16
+    assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, BF16, 16)[1].gluon == plain
+    assert choose_family(asym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == plain
+    wide = dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 3])  # 80 registers: bf16 and zeros fit
+    assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == GluonTile(16, 64, 1, per_sm=3)
+    monkeypatch.setenv(WS_ENV, "0")
+    assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == plain
+    assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == plain
