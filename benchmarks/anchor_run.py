@@ -11,7 +11,8 @@ makes the two changes without editing it, so every checkout measures the same wa
   ``repack.runtime.fused_moe.routed_moe`` (routing inside the call's first launch where that is faster:
   runtime/kernels/align.py, decode.py), not ``route()`` and then ``fused_moe``;
 - ``project:NAME=VALUE[;NAME=VALUE]`` in ANCHOR_VARIANTS adds the project's call under those environment settings
-  (``project:REPACK_GLUON_WS=0``: without the warp-specialized kernels), timed beside the others;
+  (``project:REPACK_GLUON_WS=0``: without the warp-specialized kernels) or module constants
+  (``project:decode.GLUON_DECODE_HIDDEN=3584``), timed beside the others;
 - every timed variant, Marlin's too, is profiled over the same CUDA graph (benchmarks/launch_profile.py), one row
   per launch, which ``anchor_report.py --launches`` tabulates.
 
@@ -45,20 +46,35 @@ def load_harness(path: Path = HARNESS) -> ModuleType:
 
 
 def with_environment(step, settings: dict[str, str]):
-    """``step`` run with ``settings`` in os.environ (the runtime's switches, read as each call is planned: the
-    CUDA-graph capture plans the calls it replays), the environment restored after."""
+    """``step`` run with ``settings``: ``NAME=VALUE`` in os.environ (the runtime's switches, read as each call is
+    planned: the CUDA-graph capture plans the calls it replays), ``module.NAME=VALUE`` a constant of
+    repack.runtime.kernels.<module> (a Python literal); both restored after."""
+    import ast
+    import importlib
+
+    def place(name: str):
+        module, attr = name.split(".", 1)
+        return importlib.import_module(f"repack.runtime.kernels.{module}"), attr
+
+    constants = {name: ast.literal_eval(value) for name, value in settings.items() if "." in name}
+    environment = {name: value for name, value in settings.items() if "." not in name}
 
     def run(i):
-        saved = {name: os.environ.get(name) for name in settings}
-        os.environ.update(settings)
+        saved_env = {name: os.environ.get(name) for name in environment}
+        saved_constants = {name: getattr(*place(name)) for name in constants}
+        os.environ.update(environment)
+        for name, value in constants.items():
+            setattr(*place(name), value)
         try:
             return step(i)
         finally:
-            for name, value in saved.items():
+            for name, value in saved_env.items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+            for name, value in saved_constants.items():
+                setattr(*place(name), value)
 
     return run
 
@@ -79,7 +95,7 @@ def adapt(harness: ModuleType) -> None:
                 return routed_moe(xs[i], stacks[i], logits, m.top_k, m.renorm)
 
             variants["project"] = (project, copies, ctx, dict(info, entry="routed_moe"))
-            for name in which:  # "project:NAME=VALUE[;NAME=VALUE]": the same call under those environment settings
+            for name in which:  # "project:NAME=VALUE[;NAME=VALUE]": the same call under those settings
                 if name.startswith("project:"):
                     settings = dict(item.split("=", 1) for item in name.removeprefix("project:").split(";"))
                     variants[name] = (with_environment(project, settings), copies, ctx,

@@ -170,6 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--anchor", type=Path, default=Path(__file__).parent / "results" / "anchor_v3.json")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--models", default="", help="only these anchor keys (comma-separated), and --ms these M")
+    parser.add_argument("--ms", default="")
     parser.add_argument("--budget-s", type=float, default=200.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -177,6 +179,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cells, variants = anchor_cells(args.anchor), args.variants.split(",")
+    cells = [c for c in cells if not args.models or c["key"] in args.models.split(",")]
+    cells = [c for c in cells if not args.ms or str(c["M"]) in args.ms.split(",")]
     jobs = [(cell, v) for cell in cells for v in variants]
     with mp.get_context("spawn").Pool(12) as pool:
         print(f"warm-up: {sum(pool.map(warm, [jobs[i::12] for i in range(12)]))} calls", flush=True)
