@@ -611,14 +611,13 @@ def launch(
     tile = config.gluon
     if tile is None or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_sm90.launch: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
-    route_w, top_k, atomic = topk_weights, topk_ids.shape[1], config.reduce != "pairs"
+    top_k, atomic = topk_ids.shape[1], config.reduce != "pairs"
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     num_pid_m = rows.max_blocks
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
-    zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     has_perm, has_zeros = weights.w13_perm is not None, weights.w13_zeros is not None
     perm = weights.w13_perm if has_perm else rows.sorted_pairs
-    w13, w2, s13, s2 = weights.w13_qweight, weights.w2_qweight, weights.w13_scales, weights.w2_scales
+    w13, s13 = weights.w13_qweight, weights.w13_scales
     row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
     grid13 = (num_pid_m * triton.cdiv(n_inter, tile.block_n),)
     zero_out = atomic  # w13 clears the [M, H] target w2 adds into (contiguous: fused_moe makes sure)
@@ -629,12 +628,30 @@ def launch(
         **launch_constants(tile, "w13", top_k=1 if x_per_pair else top_k, group_len=weights.group_len(h),
                            has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out, dtype=x.dtype),
     )  # fmt: skip
+    launch_w2(inter, weights, topk_ids, topk_weights, rows, target, tile, config.reduce)
+
+
+def launch_w2(
+    inter: torch.Tensor,  # [P, I] activation dtype: w13's output
+    weights: MoeWeights,
+    topk_ids: torch.Tensor,  # [M, T]
+    topk_weights: torch.Tensor,  # [M, T] fp32
+    rows: Alignment,  # pairs sorted by expert into blocks of tile.block_m
+    target: torch.Tensor,  # as :func:`launch`'s
+    tile: GluonTile,
+    reduce: str,  # "pairs", "out" or "atomic"
+) -> None:
+    """w2 alone (:func:`launch`'s second launch; the warp-specialized w13 is followed by it where K is short)."""
+    h, n_inter, num_pairs, num_pid_m = weights.hidden_size, weights.intermediate_size, topk_ids.numel(), rows.max_blocks
+    zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
+    w2, s2 = weights.w2_qweight, weights.w2_scales
+    row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
     grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](
-        inter, w2, s2, zeros2, route_w, target, *row_args, h, n_inter,
+        inter, w2, s2, zeros2, topk_weights, target, *row_args, h, n_inter,
         inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), target.stride(0),
-        **launch_constants(tile, "w2", top_k=top_k, group_len=weights.group_len(n_inter), has_zeros=has_zeros,
-                           atomic=atomic, dtype=x.dtype),
+        **launch_constants(tile, "w2", top_k=topk_ids.shape[1], group_len=weights.group_len(n_inter),
+                           has_zeros=weights.w2_zeros is not None, atomic=reduce != "pairs", dtype=inter.dtype),
     )  # fmt: skip
 
 

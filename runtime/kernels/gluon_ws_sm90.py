@@ -27,6 +27,8 @@ formats/SPEC.md section 3, read through a 2-D view ``[experts * rows, K / 8]`` i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -72,6 +74,10 @@ W_TMA_LAYOUT = (
     if gluon_sm90.available()
     else None
 )
+# w2 runs here from this K (the intermediate size) up, else as gluon_sm90's one program per tile: on the H200 the
+# persistent w2 lost at Qwen3-30B's K = 768 (6 steps a tile: +13-15%) and won at Mixtral's 14336 (M = 4-16, -8% and
+# -15%), about even at Qwen2-57B's 2560 (benchmarks/RESULTS.md 2026-12-05 10:30 UTC, KERNEL_NOTES.md item 25).
+W2_PERSISTENT_MIN_K = 2048
 PRODUCER_REGS = 40  # registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg
 
 
@@ -314,7 +320,8 @@ def launch(
     x_per_pair: bool = False,  # x is [P, H], one row per pair (act-order rows gathered by kernels/act_order.py)
 ) -> None:
     """w13 then w2, warp-specialized and persistent (``tile.per_sm`` programs per SM, their register cap from
-    kernel_config.PERSISTENT_REGISTERS), on the same inputs as :func:`gluon_sm90.launch`."""
+    kernel_config.PERSISTENT_REGISTERS), on the same inputs as :func:`gluon_sm90.launch`; a w2 of K below
+    :data:`W2_PERSISTENT_MIN_K` as gluon_sm90's."""
     if weights.w13_perm is not None or not tile.per_sm or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_ws_sm90.launch: tile {tile} / act-order: a per_sm tile and plain stacks")
     atomic = reduce != "pairs"
@@ -333,6 +340,9 @@ def launch(
         s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
         ZERO_OUT=atomic, BLOCK_N=64, **common,
     )  # fmt: skip
+    if n_inter < W2_PERSISTENT_MIN_K:
+        gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, replace(tile, per_sm=0), reduce)
+        return
     grid2 = (programs(rows.max_blocks * triton.cdiv(h, 64), x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
         words_descriptor(weights.w2_qweight), inter, s2, zeros2, topk_weights, target, rows.sorted_pairs,
