@@ -205,12 +205,29 @@ class TensorCheck:
     def _check_stack(self, info: StackInfo, report: VerifyReport, on_bytes: Callable[[int], object]) -> None:
         names = info.tensor_names()
         for expert_info, rows in split_by_source(info):  # one source expert in memory at a time
-            stored = {name: self.output.read_rows(name, rows.start, rows.stop) for name in names}
+            stored = {name: self._stored_rows(name, rows) for name in names}
             on_bytes(sum(tensor.nbytes for tensor in stored.values()))
             for module, linear in unpack_stack(expert_info, stored).items():
                 tensors = self.fmt.write(module, linear, expert_info.scheme, self.source)
                 self._compare_rebuilt(f"stack {info.prefix}", tensors, report, on_bytes)
+            del stored  # unpack_stack's linears are new tensors: nothing refers to the ring's bytes any more
+            self.output_reads.release_views()
         report.stacks_checked += 1
+
+    def _stored_rows(self, name: str, rows: slice) -> torch.Tensor:
+        """Rows of an output stack tensor: a view of the output stream's ring where one block holds them (no copy;
+        valid until ``release_views``), else read (copied out of the ring, or from the file)."""
+        entry = self.output.entry(name)
+        row_bytes = entry.nbytes // entry.shape[0]
+        count = (rows.stop - rows.start) * row_bytes
+        array = self.output_reads.view(entry, entry.offset + rows.start * row_bytes, count) if count else None
+        if array is None:
+            return self.output.read_rows(name, rows.start, rows.stop)
+        if array.ctypes.data % 8:  # safetensors offsets are 8-byte aligned; never seen, but the loops want it
+            tensor = torch.empty((rows.stop - rows.start, *entry.shape[1:]), dtype=entry.torch_dtype)
+            tensor.view(torch.uint8).view(-1).numpy()[:] = array
+            return tensor
+        return torch.from_numpy(array).view(entry.torch_dtype).view(rows.stop - rows.start, *entry.shape[1:])
 
     def _check_linear(self, module: str, report: VerifyReport, on_bytes: Callable[[int], object]) -> None:
         """A non-expert linear the converter turned into GPTQ tensors, back into the source format's."""
@@ -253,10 +270,22 @@ class TensorCheck:
         if (mine.dtype, tuple(mine.shape)) != (theirs.dtype, tuple(theirs.shape)):
             raise _Mismatch(f"copied tensor {name} is {mine.dtype} {list(mine.shape)} in the output but {theirs.dtype} "
                             f"{list(theirs.shape)} in the source")  # fmt: skip
-        for piece, original in zip(self.output.iter_raw(name), self.source.iter_raw(name), strict=True):
-            if not same_bits(piece, original):
+        block = self.output_reads.stream.block_bytes
+        start = 0
+        while start < mine.nbytes:  # pieces that end where the output stream's blocks do: each one view, no copy
+            count = min(mine.nbytes, (mine.offset + start) // block * block + block - mine.offset) - start
+            piece = self.output_reads.view(mine, mine.offset + start, count)
+            if piece is None:
+                piece = self.output.read_raw(name, start, count).numpy()
+            same = self.source_reads.compare(theirs, memoryview(piece), theirs.offset + start)
+            if same is None:
+                same = same_memory(piece, self.source.read_raw(name, start, count).numpy())
+            del piece
+            self.output_reads.release_views()
+            if not same:
                 raise _Mismatch(f"copied tensor {name} differs from the source")
-            on_bytes(2 * piece.numel())
+            on_bytes(2 * count)
+            start += count
         report.tensors_compared += 1
 
     def finish_after_mismatch(self) -> tuple[dict, dict]:
