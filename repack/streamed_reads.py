@@ -58,6 +58,7 @@ class StreamedReads:
         *,
         ring: int | None = None,
         keep: int | None = None,
+        block: int | None = None,
         on_hashed: Callable[[int], object] | None = None,
     ) -> None:
         self.reader = reader
@@ -72,13 +73,14 @@ class StreamedReads:
         self._kept_bytes = 0
         self._keep = KEEP_BYTES if keep is None else keep
         self.served = {"ring": 0, "kept": 0, "file": 0, "viewed": 0}  # bytes served from each (tests, benchmarks)
-        self._viewed: list[tuple[TensorEntry, int, int]] = []  # handed out by view(), not yet released
+        self._pins: list[Position] = []  # where views handed out and not yet released start: the ring stays there
         files = [
             StreamedFile(file, reader.fd(file), reader.file_sizes[file], str(reader.folder / file))
             for file in reader.files
         ]
         ring = RING_BYTES if ring is None else ring
-        self.stream = ReadOnceStream(files, ring, block_bytes=BLOCK_BYTES, on_hashed=on_hashed)
+        block = BLOCK_BYTES if block is None else block
+        self.stream = ReadOnceStream(files, ring, block_bytes=block, on_hashed=on_hashed)
         reader.serve_from(self)
 
     def _position(self, entry: TensorEntry, skip: int = 0) -> Position:
@@ -120,7 +122,7 @@ class StreamedReads:
         return self._end
 
     def _release(self) -> None:
-        rank, offset = self._first_needed()
+        rank, offset = min(self._first_needed(), *self._pins) if self._pins else self._first_needed()
         if rank < len(self.reader.files):
             self.stream.release_before(self.reader.files[rank], offset)
         else:
@@ -148,21 +150,21 @@ class StreamedReads:
 
     def view(self, entry: TensorEntry, offset: int, count: int) -> np.ndarray | None:
         """Bytes ``offset .. offset + count`` of ``entry`` as a view of the ring (no copy) when one block holds them,
-        else None (the caller reads them: :meth:`read_into`). The ring keeps them, and everything after them, until
-        :meth:`release_views`; the reads of a tensor's bytes, viewed or not, must come in file order."""
+        else None (the caller reads them: :meth:`read_into`). They count as read, but the ring stays at them, whatever
+        else is read meanwhile, until :meth:`release_views`."""
         if entry.name in self._kept:
             return None
         array = self.stream.view(entry.file, offset, count)
         if array is not None:
             self.served["viewed"] += count
-            self._viewed.append((entry, offset, count))
+            self._pins.append((self._rank[entry.file], offset))
+            self._account(entry, offset, count)
         return array
 
     def release_views(self) -> None:
-        """Every view handed out so far is no longer used: the ring moves on past their bytes."""
-        viewed, self._viewed = self._viewed, []
-        for entry, offset, count in viewed:
-            self._account(entry, offset, count)
+        """No view handed out so far is used any more: the ring may move past their bytes."""
+        self._pins.clear()
+        self._release()
 
     def compare(self, entry: TensorEntry, data: memoryview, offset: int | None = None) -> bool | None:
         """Whether ``data`` equals tensor ``entry``'s bytes (all of them, or those from file offset ``offset`` on: a
