@@ -100,12 +100,13 @@ def transpose_to_mma128(source, target):
 # The inverse, in panels. Turned around, the forward loop reads one 64-byte line per output column across the whole
 # input (loads that miss stall, where the forward loop's equally scattered stores did not) and stores into 16 rows 4
 # bytes at a time, rows that share one L1 set whenever a row is a multiple of 4 KB long (N % 1024 == 0: Qwen2-57B's
-# w13, most DeepSeek-V3 and Mixtral shapes): it ran at 0.4-0.75x the forward loop's speed. So the inverse takes up
-# to ``_PANEL_BYTES`` of input rows at a time (one contiguous piece of ``source``), reads them front to back once,
-# which brings them into L2, permutes them from there into a scratch panel ``_TILE`` columns at a time (each
-# column's 8-word block gathered into a small stage, then the three swaps and the stores vectorized across the
-# columns) and copies each scratch row into ``target`` whole. Indices are unsigned so that numba's handling of
-# negative indices stays out of the loops LLVM vectorizes. benchmarks/bench_word_order.py measures both directions.
+# w13, most DeepSeek-V3 and Mixtral shapes): it ran at 0.33-0.5x the forward loop's speed there, 0.75-0.85x
+# elsewhere. So the inverse takes up to ``_PANEL_BYTES`` of input rows at a time (one contiguous piece of
+# ``source``), reads them front to back once, which brings them into L2, permutes them from there into a scratch
+# panel ``_TILE`` columns at a time (each column's 8-word block gathered into a small stage, then the three swaps and
+# the stores vectorized across the columns) and copies each scratch row into ``target`` whole. Indices are unsigned
+# so that numba's handling of negative indices stays out of the loops LLVM vectorizes.
+# benchmarks/bench_word_order.py measures both directions.
 _TILE = 32  # columns permuted together (the vectorized loops' trip count)
 _PANEL_BYTES = 512 << 10  # at most this much input per panel, and as much scratch: both stay in a 2 MB L2
 _PANEL_COLUMNS = 1024  # columns per panel where rows are short (else ``_PANEL_BYTES`` decides)
@@ -202,7 +203,7 @@ def _transpose_from_mma128_rows(source, flat, row_stride):
 @_compiled_loop
 def transpose_from_mma128_strided(source, target):
     """:func:`transpose_from_mma128` for arrays of any strides (rows of ``source`` contiguous): one column's block at
-    a time, straight into ``target`` (the loop the panels replaced: 0.3-0.6x their speed)."""
+    a time, straight into ``target`` (the loop the panels replaced: 0.3-0.7x their speed)."""
     cols, rows = source.shape[0], 2 * source.shape[1]
     high = _SHIFTS[3]
     for start in range(0, rows, _BLOCK):
