@@ -445,9 +445,17 @@ class CheckpointReader:
         """The bytes of one tensor as uint8 pieces of at most ``chunk_bytes``, read in file order."""
         entry = self.entry(name)
         for start in range(0, entry.nbytes, chunk_bytes):
-            piece = torch.empty(min(chunk_bytes, entry.nbytes - start), dtype=torch.uint8)
+            yield self.read_raw(name, start, min(chunk_bytes, entry.nbytes - start))
+
+    def read_raw(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Bytes ``start .. start + count`` of one tensor, as uint8."""
+        entry = self.entry(name)
+        if not 0 <= start <= start + count <= entry.nbytes:
+            raise RepackError(f"{self.folder}: bytes {start}:{start + count} are outside tensor {name}")
+        piece = torch.empty(count, dtype=torch.uint8)
+        if count:
             self._pread_into(entry, memoryview(piece.numpy()), entry.offset + start)
-            yield piece
+        return piece
 
     def serve_from(self, server) -> None:
         """Serve reads from ``server`` where it can: its ``read_into(entry, offset, buffer)`` fills the buffer and

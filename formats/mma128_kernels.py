@@ -4,9 +4,10 @@ use so that loading a checkpoint never pays for numba.
 Why compiled: the permutation moves nibbles across the 16 words of a block, which numpy can only express as many
 whole-array passes (or byte gathers); one loop that takes each output row's block from the 16 input rows, swaps it
 in registers and stores it once costs about what the plain transpose costs (benchmarks/RESULTS.md, "Conversion
-(CPU)"). ``nogil``: the converter's hashing and writing threads run meanwhile.
+(CPU)"); the inverse goes through a scratch panel instead (see :func:`transpose_from_mma128`). ``nogil``: the
+converter's hashing and writing threads run meanwhile.
 
-The two entry loops are cached on disk where numba finds a writable place (``__pycache__`` beside this file, or
+The entry loops are cached on disk where numba finds a writable place (``__pycache__`` beside this file, or
 ``NUMBA_CACHE_DIR``, or the user's cache folder) and compiled afresh in each process where it finds none (a
 read-only install run by a user without a writable home): caching saves a second or so, it is never required.
 """
@@ -96,10 +97,113 @@ def transpose_to_mma128(source, target):
                     block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
 
 
-@_compiled_loop
+# The inverse, in panels. Turned around, the forward loop reads one 64-byte line per output column across the whole
+# input (loads that miss stall, where the forward loop's equally scattered stores did not) and stores into 16 rows 4
+# bytes at a time, rows that share one L1 set whenever a row is a multiple of 4 KB long (N % 1024 == 0: Qwen2-57B's
+# w13, most DeepSeek-V3 and Mixtral shapes): it ran at 0.33-0.5x the forward loop's speed there, 0.75-0.85x
+# elsewhere. So the inverse takes up to ``_PANEL_BYTES`` of input rows at a time (one contiguous piece of
+# ``source``), reads them front to back once, which brings them into L2, permutes them from there into a scratch
+# panel ``_TILE`` columns at a time (each column's 8-word block gathered into a small stage, then the three swaps and
+# the stores vectorized across the columns) and copies each scratch row into ``target`` whole. Indices are unsigned
+# so that numba's handling of negative indices stays out of the loops LLVM vectorizes.
+# benchmarks/bench_word_order.py measures both directions.
+_TILE = 32  # columns permuted together (the vectorized loops' trip count)
+_PANEL_BYTES = 512 << 10  # at most this much input per panel, and as much scratch: both stay in a 2 MB L2
+_PANEL_COLUMNS = 1024  # columns per panel where rows are short (else ``_PANEL_BYTES`` decides)
+_U = np.uint64
+
+
+@numba.njit(inline="always")
+def _stage_tile(words, stage, column, row_words, block):
+    """Block ``block`` (8 64-bit words) of the ``_TILE`` input rows from ``column`` on, as ``stage [8, _TILE]``."""
+    tile = _U(_TILE)
+    for j in range(_TILE):
+        uj = _U(j)
+        base = (column + uj) * row_words + block
+        for k in range(8):
+            uk = _U(k)
+            stage[uk * tile + uj] = words[base + uk]
+
+
+@numba.njit(inline="always")
+def _unstage_tile(stage, panel, start, column, width):
+    """The inverse swaps on a staged tile, stored as its 16 "gptq" rows ``start ..`` of ``panel [R, width]``, words
+    ``column .. column + _TILE`` of each."""
+    tile = _U(_TILE)
+    high = _SHIFTS[3]
+    for g in range(2):
+        for a in range(2):
+            k = _U(4 * g + 2 * a)
+            row = start + _U(8 * g + a)  # word (g, c=0, d=0, a); c=1 is 4 rows on, d=1 2 rows on
+            r0 = row * width + column
+            r2, r4, r6 = r0 + _U(2) * width, r0 + _U(4) * width, r0 + _U(6) * width
+            sp = k * tile
+            sq = sp + tile
+            for j in range(_TILE):
+                uj = _U(j)
+                p, q = _from_mma128_pair(stage[sp + uj], stage[sq + uj])
+                panel[r0 + uj], panel[r4 + uj] = p & _LOW, p >> high
+                panel[r2 + uj], panel[r6 + uj] = q & _LOW, q >> high
+
+
 def transpose_from_mma128(source, target):
-    """Exact inverse of :func:`transpose_to_mma128`: output-major "mma128" ``source [N, R/2]`` (uint64) -> input-major
-    "gptq" ``target [R, N]`` (uint32)."""
+    """Exact inverse of :func:`transpose_to_mma128`: output-major "mma128" ``source [N, R/2]`` (uint64, C-contiguous)
+    -> input-major "gptq" ``target [R, N]`` (uint32) whose rows are contiguous, at any distance from each other (a
+    column slice of a wider array: the gate or up columns of a source expert)."""
+    rows, cols = target.shape
+    if source.shape != (cols, rows // 2) or not source.flags.c_contiguous:
+        raise ValueError(f"transpose_from_mma128: source {source.shape} does not fit target {target.shape}")
+    if rows and cols:
+        if target.strides[1] != target.itemsize or target.strides[0] < cols * target.itemsize:
+            raise ValueError(f"transpose_from_mma128: the rows of target (strides {target.strides}) are not contiguous")
+        row_stride = target.strides[0] // target.itemsize
+        flat = np.lib.stride_tricks.as_strided(target, ((rows - 1) * row_stride + cols,), (target.itemsize,))
+        _transpose_from_mma128_rows(source, flat, row_stride)
+
+
+@_compiled_loop
+def _transpose_from_mma128_rows(source, flat, row_stride):
+    """:func:`transpose_from_mma128` into row r = ``flat[r * row_stride :][:N]``. Returns the XOR of the words the
+    read-ahead loaded (so that it is not optimized away; ignore it)."""
+    cols, row_words = source.shape
+    rows = 2 * row_words
+    high = _SHIFTS[3]
+    words = source.reshape(-1)
+    panel_cols = max(_TILE, min(_PANEL_COLUMNS, _PANEL_BYTES // (8 * row_words) // _TILE * _TILE))
+    panel = np.empty(rows * panel_cols, np.uint32)
+    stage = np.empty(8 * _TILE, np.uint64)
+    touched = _U(0)
+    for first in range(0, cols, panel_cols):
+        width = min(panel_cols, cols - first)
+        tiles = width - width % _TILE
+        piece = _U(first) * _U(row_words)
+        for i in range(0, width * row_words, 8):  # read ahead: one load per line brings the panel's input into L2
+            touched ^= words[piece + _U(i)]
+        for start in range(0, rows, _BLOCK):
+            for column in range(0, tiles, _TILE):
+                _stage_tile(words, stage, _U(first + column), _U(row_words), _U(start // 2))
+                _unstage_tile(stage, panel, _U(start), _U(column), _U(width))
+            for column in range(tiles, width):  # the columns past the last whole tile, one by one
+                block = source[first + column, start // 2 : (start + _BLOCK) // 2]
+                for g in range(2):
+                    for a in range(2):
+                        p, q = _from_mma128_pair(block[4 * g + 2 * a], block[4 * g + 2 * a + 1])
+                        at = (start + 8 * g + a) * width + column
+                        panel[at], panel[at + 4 * width] = p & _LOW, p >> high
+                        panel[at + 2 * width], panel[at + 6 * width] = q & _LOW, q >> high
+        uwidth, ustride = _U(width), _U(row_stride)
+        for r in range(rows):  # the scratch panel into its columns of ``target``, row by row
+            ur = _U(r)
+            src, dst = ur * uwidth, ur * ustride + _U(first)
+            for j in range(width):
+                flat[dst + _U(j)] = panel[src + _U(j)]
+    return touched
+
+
+@_compiled_loop
+def transpose_from_mma128_strided(source, target):
+    """:func:`transpose_from_mma128` for arrays of any strides (rows of ``source`` contiguous): one column's block at
+    a time, straight into ``target`` (the loop the panels replaced: 0.3-0.7x their speed)."""
     cols, rows = source.shape[0], 2 * source.shape[1]
     high = _SHIFTS[3]
     for start in range(0, rows, _BLOCK):

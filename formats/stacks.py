@@ -359,20 +359,23 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         experts = range(s * chunks, (s + 1) * chunks)
         # Without act-order on the input (P1 = identity) the GPTQ words are w13's words transposed, and
         # without it on w2's input the same holds for down: only whole words move, nothing is unpacked.
+        # w13 columns: chunk c holds [gate_c | up_c]; regroup into gate and up, each [rows, I_total] sorted.
         if info.act_order_w13:
             q13 = torch.cat([unpack_along_rows(gptq_words("w13_qweight", x), scheme.bits) for x in experts], dim=1)
-        else:
-            q13 = torch.cat([gptq_words("w13_qweight", x) for x in experts], dim=1)
-        # q13 columns: chunk c holds [gate_c | up_c]; regroup into gate and up, each [rows, I_total] sorted.
-        rows = q13.shape[0]
-        q13 = q13.view(rows, chunks, 2, i)
-        q_gate, q_up = q13[:, :, 0].reshape(rows, -1), q13[:, :, 1].reshape(rows, -1)
+            rows = q13.shape[0]
+            q13 = q13.view(rows, chunks, 2, i)
+            q_gate, q_up = q13[:, :, 0].reshape(rows, -1), q13[:, :, 1].reshape(rows, -1)
+        else:  # each chunk's gate and up words straight into their columns of the GPTQ qweights
+            q_gate, q_up = _gptq_columns(get("w13_qweight"), experts, i, info.word_order)
         s13 = torch.cat([get("w13_scales")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
         s_gate, s_up = s13[:, :, 0].reshape(s13.shape[0], -1), s13[:, :, 1].reshape(s13.shape[0], -1)
         if info.act_order_w2:
             q_down = torch.cat([unpack_along_rows(gptq_words("w2_qweight", x), scheme.bits) for x in experts], dim=0)
         else:
-            q_down = torch.cat([gptq_words("w2_qweight", x) for x in experts], dim=0)
+            w2 = get("w2_qweight")  # [E, H, I/8]: each chunk's words are rows of down's GPTQ qweight [I_total/8, H]
+            q_down = torch.empty((len(experts) * w2.shape[2], w2.shape[1]), dtype=w2.dtype)
+            for x, piece in zip(experts, q_down.split(w2.shape[2]), strict=True):
+                transpose_from_word_order(w2[x], info.word_order, out=piece)
         s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
         if info.sym:
             z_gate = z_up = z_down = None
@@ -387,15 +390,16 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
             p2 = _identity(chunks * i).long()
         inv1, inv2 = torch.argsort(p1), torch.argsort(p2)
 
+        columns = inv2 if info.act_order_w2 else slice(None)  # the identity as a slice: a view, not a gather
         for name, q, sc, zp in ((gate_name, q_gate, s_gate, z_gate), (up_name, q_up, s_up, z_up)):
             if info.act_order_w13:
                 qweight = pack_along_rows(q[inv1][:, inv2], scheme.bits)
             else:
-                qweight = q[:, inv2].contiguous() if info.act_order_w2 else q.contiguous()
+                qweight = q[:, columns].contiguous()
             out[name] = CanonicalLinear(
                 qweight=qweight,
-                scales=sc[:, inv2].contiguous(),
-                zeros=None if zp is None else zp[:, inv2].contiguous(),
+                scales=sc[:, columns].contiguous(),
+                zeros=None if zp is None else zp[:, columns].contiguous(),
                 g_idx=trivial_g_idx(h, scheme)[inv1].contiguous() if info.has_g_idx else None,
             )
         if info.act_order_w2:
@@ -407,6 +411,18 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
             g_idx=trivial_g_idx(chunks * i, scheme)[inv2].contiguous() if info.has_g_idx else None,
         )
     return out
+
+
+def _gptq_columns(w13: torch.Tensor, experts: range, i: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up GPTQ qweights ``[K/8, I_total]`` of one source expert from its chunks' w13 words ``w13[x]
+    [2I, K/8]`` (gate rows, then up rows, in ``order``), each chunk written straight into its columns."""
+    rows = w13.shape[2]
+    q_gate = torch.empty((rows, len(experts) * i), dtype=w13.dtype)
+    q_up = torch.empty_like(q_gate)
+    for c, x in enumerate(experts):
+        transpose_from_word_order(w13[x, :i], order, out=q_gate[:, c * i : (c + 1) * i])
+        transpose_from_word_order(w13[x, i:], order, out=q_up[:, c * i : (c + 1) * i])
+    return q_gate, q_up
 
 
 def split_by_source(info: StackInfo) -> Iterator[tuple[StackInfo, slice]]:

@@ -199,6 +199,18 @@ class ReadOnceStream:
             np.copyto(out[done : done + len(array)], array)
         return True
 
+    @property
+    def block_bytes(self) -> int:
+        """The stream reads and holds its files in blocks of this many bytes (the last of each file shorter)."""
+        return self._block_bytes
+
+    def view(self, name: str, offset: int, count: int) -> np.ndarray | None:
+        """Bytes ``offset .. offset + count`` of file ``name`` as a view of the ring (no copy) when one block holds
+        them all, waiting for the I/O thread if need be; None otherwise (the caller copies them out). The view is
+        valid until the consumer releases those bytes (:meth:`release_before`)."""
+        pieces = self._held(name, offset, count)
+        return pieces[0][1] if pieces is not None and len(pieces) == 1 else None
+
     def compare(self, name: str, offset: int, data: memoryview) -> bool | None:
         """Whether ``data`` equals bytes ``offset ..`` of file ``name``, compared in the ring (no copy); None when
         the ring does not hold them (as for :meth:`read_into`)."""

@@ -58,6 +58,7 @@ class StreamedReads:
         *,
         ring: int | None = None,
         keep: int | None = None,
+        block: int | None = None,
         on_hashed: Callable[[int], object] | None = None,
     ) -> None:
         self.reader = reader
@@ -71,13 +72,15 @@ class StreamedReads:
         self._kept: dict[str, np.ndarray] = {}
         self._kept_bytes = 0
         self._keep = KEEP_BYTES if keep is None else keep
-        self.served = {"ring": 0, "kept": 0, "file": 0}  # bytes served from each (for tests and benchmarks)
+        self.served = {"ring": 0, "kept": 0, "file": 0, "viewed": 0}  # bytes served from each (tests, benchmarks)
+        self._pins: list[Position] = []  # where views handed out and not yet released start: the ring stays there
         files = [
             StreamedFile(file, reader.fd(file), reader.file_sizes[file], str(reader.folder / file))
             for file in reader.files
         ]
         ring = RING_BYTES if ring is None else ring
-        self.stream = ReadOnceStream(files, ring, block_bytes=BLOCK_BYTES, on_hashed=on_hashed)
+        block = BLOCK_BYTES if block is None else block
+        self.stream = ReadOnceStream(files, ring, block_bytes=block, on_hashed=on_hashed)
         reader.serve_from(self)
 
     def _position(self, entry: TensorEntry, skip: int = 0) -> Position:
@@ -119,7 +122,7 @@ class StreamedReads:
         return self._end
 
     def _release(self) -> None:
-        rank, offset = self._first_needed()
+        rank, offset = min(self._first_needed(), *self._pins) if self._pins else self._first_needed()
         if rank < len(self.reader.files):
             self.stream.release_before(self.reader.files[rank], offset)
         else:
@@ -145,18 +148,43 @@ class StreamedReads:
         self._account(entry, offset, len(target))
         return served
 
-    def compare(self, entry: TensorEntry, data: memoryview) -> bool | None:
-        """Whether ``data`` equals tensor ``entry``'s bytes, compared where they are held (kept aside or in the ring)
-        without copying them out; None when neither holds them (the caller reads the tensor and compares)."""
-        kept = self._kept.pop(entry.name, None)
+    def view(self, entry: TensorEntry, offset: int, count: int) -> np.ndarray | None:
+        """Bytes ``offset .. offset + count`` of ``entry`` as a view of the ring (no copy) when one block holds them,
+        else None (the caller reads them: :meth:`read_into`). They count as read, but the ring stays at them, whatever
+        else is read meanwhile, until :meth:`release_views`."""
+        if entry.name in self._kept:
+            return None
+        array = self.stream.view(entry.file, offset, count)
+        if array is not None:
+            self.served["viewed"] += count
+            self._pins.append((self._rank[entry.file], offset))
+            self._account(entry, offset, count)
+        return array
+
+    def release_views(self) -> None:
+        """No view handed out so far is used any more: the ring may move past their bytes."""
+        self._pins.clear()
+        self._release()
+
+    def compare(self, entry: TensorEntry, data: memoryview, offset: int | None = None) -> bool | None:
+        """Whether ``data`` equals tensor ``entry``'s bytes (all of them, or those from file offset ``offset`` on: a
+        piece, the pieces compared in file order), compared where they are held (kept aside or in the ring) without
+        copying them out; None when neither holds them (the caller reads them and compares)."""
+        start = entry.offset if offset is None else offset
+        if offset is None and len(data) != entry.nbytes:
+            return None
+        kept = self._kept.get(entry.name)
         if kept is not None:
-            self._kept_bytes -= kept.nbytes
-            same = same_memory(np.frombuffer(data, dtype=np.uint8), kept)
+            at = start - entry.offset
+            same = same_memory(np.frombuffer(data, dtype=np.uint8), kept[at : at + len(data)])
+            if at + len(data) == entry.nbytes:  # its last byte: it is not needed again
+                del self._kept[entry.name]
+                self._kept_bytes -= kept.nbytes
         else:
-            same = self.stream.compare(entry.file, entry.offset, data) if len(data) == entry.nbytes else None
+            same = self.stream.compare(entry.file, start, data)
         if same is not None:
             self.served["kept" if kept is not None else "ring"] += len(data)
-            self._account(entry, entry.offset, entry.nbytes)
+            self._account(entry, start, len(data))
         return same
 
     def _account(self, entry: TensorEntry, offset: int, count: int) -> None:

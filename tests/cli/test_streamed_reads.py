@@ -56,6 +56,7 @@ def tiny_verify_rings(tiny_ring, monkeypatch):
     import repack.verify as verify_module
 
     monkeypatch.setattr(verify_module, "OUTPUT_RING_BYTES", 512 << 10)
+    monkeypatch.setattr(verify_module, "OUTPUT_BLOCK_BYTES", 32 << 10)
     monkeypatch.setattr(verify_module, "SOURCE_RING_BYTES", 256 << 10)
     monkeypatch.setattr(verify_module, "KEEP_BYTES", 1 << 20)
 
@@ -87,3 +88,34 @@ def test_verify_with_rings_smaller_than_a_stack_checks_every_tensor(tmp_path, ti
     shard.write_bytes(bytes(data))
     with pytest.raises(RepackError, match="sha256 differs|bit for bit|differs from the source"):
         verify(out, str(src), quiet=True)
+
+
+def test_views_and_pieces_are_served_from_the_ring(monkeypatch):
+    """verify's reads without copies: a view of the ring (held until released) and a tensor compared piece by
+    piece where the ring holds it; a differing byte in a piece is found; the files' hashes are those of the files."""
+    from repack.formats.checkpoint import CheckpointReader
+
+    monkeypatch.setattr(streamed_reads, "LARGE_BYTES", 32 << 10)
+    src = FIXTURES_DIR / "qwen2moe-g128-sym"
+    with CheckpointReader(src) as reader:
+        large = sorted((e for e in reader.entries.values() if e.nbytes >= 32 << 10), key=lambda e: (e.file, e.offset))
+        viewed, pieces = large[0], large[1]
+        data = {e.name: (src / e.file).read_bytes()[e.offset : e.offset + e.nbytes] for e in (viewed, pieces)}
+        reads = streamed_reads.StreamedReads(reader, [[viewed.name, pieces.name]])
+        try:
+            array = reads.view(viewed, viewed.offset, viewed.nbytes)
+            assert array is not None and array.tobytes() == data[viewed.name]
+            assert reads.served["viewed"] == viewed.nbytes and reads._pins  # counted as read, the ring held there
+            half = pieces.nbytes // 2
+            theirs = bytearray(data[pieces.name])
+            assert reads.compare(pieces, memoryview(theirs[:half]), pieces.offset) is True
+            theirs[-1] ^= 1
+            assert reads.compare(pieces, memoryview(theirs[half:]), pieces.offset + half) is False
+            assert array.tobytes() == data[viewed.name]  # still held after reads past it
+            reads.release_views()
+            assert not reads._pins
+            hashed = reads.finish()
+        finally:
+            reads.stop()
+    for name, result in hashed.items():
+        assert result["sha256"] == hashlib.sha256((src / name).read_bytes()).hexdigest()

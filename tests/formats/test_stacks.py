@@ -42,6 +42,23 @@ def test_pack_then_unpack_is_bit_exact(scheme, act_order):
                 assert torch.equal(back[f"{name}.{field}"], getattr(linear, field)), f"{name}.{field}"
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("word_order", ["gptq", "mma128"])
+@pytest.mark.parametrize("scheme", [GptqScheme(4, 128, True, "gptq"), GptqScheme(4, 128, False, "gptq_v2")], ids=str)
+def test_unpack_writes_each_chunk_into_its_columns(scheme, act_order, word_order, chunks):
+    """unpack_stack puts each chunk's gate, up and down words straight into their columns (rows for down) of the
+    source expert's GPTQ qweights: every word order, with and without act-order, one chunk or several."""
+    info, names, sources = seeded_stack(scheme, act_order, experts=2 * chunks, chunks=chunks, word_order=word_order)
+    assert info.word_order == word_order and info.chunks_per_source == chunks
+    back = unpack_gptq(info, pack_gptq(info, sources))
+    for triple, linears in zip(names, sources, strict=True):
+        for name, linear in zip(triple, linears, strict=True):
+            for field in ("qweight", "qzeros", "scales", "g_idx"):
+                assert torch.equal(back[f"{name}.{field}"], getattr(linear, field)), f"{name}.{field}"
+            assert back[f"{name}.qweight"].is_contiguous()
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_stack_computes_the_source_mlp(act_order):
     """x -> SiLU(gate) * up -> down through OUR layout equals the source GPTQ expert (P2 folded into w13)."""

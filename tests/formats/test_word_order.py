@@ -126,6 +126,32 @@ def test_transposing_converters_accept_outputs_of_any_strides():
     assert torch.equal(back, gptq)
 
 
+@pytest.mark.parametrize(
+    ("rows", "cols"),
+    [(16, 1), (16, 31), (16, 32), (64, 1100), (2048, 100), (448, 5120)],
+    ids=["one-column", "under-a-tile", "one-tile", "two-panels", "long-rows", "qwen2-57b-w13"],
+)
+def test_inverse_in_panels_matches_the_strided_loop(rows, cols):
+    """verify's inverse (scratch panels of whole tiles, the columns past the last tile one by one, panels narrower
+    where rows are long; into rows of any distance) against the loop it replaced, which strided rows still take."""
+    from repack.formats import mma128_kernels
+
+    gen = torch.Generator().manual_seed(rows + cols)
+    gptq = torch.randint(INT32_MIN, INT32_MAX + 1, (rows, cols), dtype=torch.int32, generator=gen)
+    mma = transpose_to_word_order(gptq, "mma128")
+    assert torch.equal(transpose_from_word_order(mma, "mma128"), gptq)  # C-contiguous: the panels
+    pairs = mma.numpy().view("uint64")
+    panels, strided = torch.full_like(gptq, 7), torch.full_like(gptq, 7)
+    mma128_kernels.transpose_from_mma128(pairs, panels.numpy().view("uint32"))
+    mma128_kernels.transpose_from_mma128_strided(pairs, strided.numpy().view("uint32"))
+    assert torch.equal(panels, gptq) and torch.equal(strided, gptq)
+    wide = torch.zeros(rows, cols + 3, dtype=torch.int32)  # columns of a wider tensor: panels, rows apart
+    assert torch.equal(transpose_from_word_order(mma, "mma128", out=wide[:, 1 : cols + 1]), gptq)
+    assert not wide[:, 0].any() and not wide[:, cols + 1 :].any()
+    across = torch.zeros(cols, rows, dtype=torch.int32).t()  # rows strided: the strided loop
+    assert torch.equal(transpose_from_word_order(mma, "mma128", out=across), gptq)
+
+
 @pytest.mark.parametrize("order", ["gptq", "mma128"])
 def test_transposing_converters_match_the_definition(order):
     """The converter's form: input-major GPTQ words [R, N] (a strided column slice, as for one chunk of a shared

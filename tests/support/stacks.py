@@ -81,12 +81,18 @@ def linear_columns(linear: GptqLinear, scheme: GptqScheme, cols: slice) -> GptqL
     )
 
 
-def seeded_stack(scheme, act_order, *, experts=3, hidden=256, inter=128, chunks=1, seed=0):
+def seeded_stack(scheme, act_order, *, experts=3, hidden=256, inter=128, chunks=1, seed=0, word_order=GPTQ_ORDER):
     """A routed stack of random experts from one generator: (StackInfo, source module names, the experts)."""
     gen = torch.Generator().manual_seed(seed)
     sources = [seeded_expert(hidden, inter * chunks, scheme, act_order, gen) for _ in range(experts // chunks)]
     info = routed_stack_info(
-        sources, scheme, experts=experts, hidden=hidden, inter=inter, prefix="layers.0.mlp.experts"
+        sources,
+        scheme,
+        experts=experts,
+        hidden=hidden,
+        inter=inter,
+        prefix="layers.0.mlp.experts",
+        word_order=word_order,
     )
     return info, expert_names(len(sources)), sources
 
