@@ -110,8 +110,10 @@ PERSISTENT_16 = GluonTile(16, 64, 1, 4, per_sm=4)
 def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> bool:
     """Whether the warp-specialized kernels run ``tile`` without spilling: at 4 programs per SM (64 registers a
     thread) only symmetric fp16 stacks do; asymmetric zeros and bf16's step-scaled sum spill there
-    (tests/runtime/test_gluon_ws_compile_sm90.py compiles them at 80)."""
-    return tile.per_sm != 4 or (weights.w13_zeros is None and dtype == torch.float16)
+    (tests/runtime/test_gluon_ws_compile_sm90.py compiles them at 80). Act-order stacks only with their rows
+    gathered first (:data:`ACT_ORDER_GATHER`): these kernels have no column gather."""
+    gathered = weights.w13_perm is None or ACT_ORDER_GATHER
+    return gathered and (tile.per_sm != 4 or (weights.w13_zeros is None and dtype == torch.float16))
 
 
 def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> GluonTile:

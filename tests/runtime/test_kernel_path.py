@@ -260,6 +260,10 @@ def test_few_rows_per_expert_take_the_persistent_kernels_where_they_fit(sm90, mo
     assert choose_family(asym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == plain
     wide = dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 3])  # 80 registers: bf16 and zeros fit
     assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == GluonTile(16, 64, 1, per_sm=3)
+    act_order = zero_stack(act_order=True)
+    assert choose_family(act_order, KernelConfig.from_dict(wide), CPU, FP16, 16)[1].gluon.per_sm == 3  # rows gathered
+    monkeypatch.setattr(gluon_sm90, "ACT_ORDER_GATHER", False)
+    assert choose_family(act_order, KernelConfig.from_dict(wide), CPU, FP16, 16)[1].gluon == plain
     monkeypatch.setenv(WS_ENV, "0")
     assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == plain
     assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == plain
