@@ -24,11 +24,15 @@ this script.
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib
 import importlib.util
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = Path(os.environ.get("ANCHOR_HARNESS", ROOT / ".bench-marlin" / "bench_anchor.py"))
@@ -49,32 +53,16 @@ def with_environment(step, settings: dict[str, str]):
     """``step`` run with ``settings``: ``NAME=VALUE`` in os.environ (the runtime's switches, read as each call is
     planned: the CUDA-graph capture plans the calls it replays), ``module.NAME=VALUE`` a constant of
     repack.runtime.kernels.<module> (a Python literal); both restored after."""
-    import ast
-    import importlib
-
-    def place(name: str):
-        module, attr = name.split(".", 1)
-        return importlib.import_module(f"repack.runtime.kernels.{module}"), attr
-
-    constants = {name: ast.literal_eval(value) for name, value in settings.items() if "." in name}
+    constants = {tuple(name.split(".", 1)): ast.literal_eval(value) for name, value in settings.items() if "." in name}
     environment = {name: value for name, value in settings.items() if "." not in name}
 
     def run(i):
-        saved_env = {name: os.environ.get(name) for name in environment}
-        saved_constants = {name: getattr(*place(name)) for name in constants}
-        os.environ.update(environment)
-        for name, value in constants.items():
-            setattr(*place(name), value)
-        try:
+        with contextlib.ExitStack() as patches:
+            patches.enter_context(mock.patch.dict(os.environ, environment))
+            for (module, name), value in constants.items():
+                target = importlib.import_module(f"repack.runtime.kernels.{module}")
+                patches.enter_context(mock.patch.object(target, name, value))
             return step(i)
-        finally:
-            for name, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            for name, value in saved_constants.items():
-                setattr(*place(name), value)
 
     return run
 

@@ -147,15 +147,17 @@ def _unstage_tile(stage, panel, start, column, width):
 
 
 def transpose_from_mma128(source, target):
-    """Exact inverse of :func:`transpose_to_mma128`: output-major "mma128" ``source [N, R/2]`` (uint64, C-contiguous)
-    -> input-major "gptq" ``target [R, N]`` (uint32) whose rows are contiguous, at any distance from each other (a
-    column slice of a wider array: the gate or up columns of a source expert)."""
+    """Exact inverse of :func:`transpose_to_mma128`: output-major "mma128" ``source [N, R/2]`` (uint64) -> input-major
+    "gptq" ``target [R, N]`` (uint32). In panels where ``source`` is C-contiguous and ``target``'s rows are
+    contiguous, at any distance from each other (a column slice of a wider array: the gate or up columns of a source
+    expert); other strides take :func:`transpose_from_mma128_strided`."""
     rows, cols = target.shape
-    if source.shape != (cols, rows // 2) or not source.flags.c_contiguous:
+    if source.shape != (cols, rows // 2):
         raise ValueError(f"transpose_from_mma128: source {source.shape} does not fit target {target.shape}")
-    if rows and cols:
-        if target.strides[1] != target.itemsize or target.strides[0] < cols * target.itemsize:
-            raise ValueError(f"transpose_from_mma128: the rows of target (strides {target.strides}) are not contiguous")
+    rows_apart = target.strides[1] == target.itemsize and target.strides[0] >= cols * target.itemsize
+    if not (source.flags.c_contiguous and rows_apart):
+        transpose_from_mma128_strided(source, target)
+    elif rows and cols:
         row_stride = target.strides[0] // target.itemsize
         flat = np.lib.stride_tricks.as_strided(target, ((rows - 1) * row_stride + cols,), (target.itemsize,))
         _transpose_from_mma128_rows(source, flat, row_stride)

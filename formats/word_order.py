@@ -79,12 +79,7 @@ def transpose_from_word_order(words: torch.Tensor, order: str, out: torch.Tensor
         out = torch.empty(tuple(reversed(words.shape)), dtype=torch.int32)
     if order == GPTQ_ORDER:
         return out.copy_(words.t())
-    pairs, target = _word_pairs(words if words.stride(-1) == 1 else words.contiguous()), _uint32(out)
-    rows_apart = target.strides[-1] == target.itemsize and target.strides[0] >= target.nbytes // max(len(target), 1)
-    if pairs.flags.c_contiguous and rows_apart:  # rows of ``out`` contiguous, anywhere (a column slice)
-        _kernels().transpose_from_mma128(pairs, target)
-    else:  # strided rows on either side
-        _kernels().transpose_from_mma128_strided(pairs, target)
+    _kernels().transpose_from_mma128(_word_pairs(words if words.stride(-1) == 1 else words.contiguous()), _uint32(out))
     return out
 
 

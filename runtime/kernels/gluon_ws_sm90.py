@@ -327,9 +327,8 @@ def launch(
     atomic = reduce != "pairs"
     top_k, h, n_inter, num_pairs = topk_ids.shape[1], weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
-    zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     has_zeros = weights.w13_zeros is not None
-    s13, s2 = weights.w13_scales, weights.w2_scales
+    s13 = weights.w13_scales
     common = dict(SYM_ZERO=8, HAS_ZEROS=has_zeros, BLOCK_M=tile.block_m, GROUP_M=tile.group_m, STAGES=tile.stages,
                   SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                   maxnreg=PERSISTENT_REGISTERS[tile.per_sm])  # fmt: skip
@@ -343,6 +342,8 @@ def launch(
     if n_inter < W2_PERSISTENT_MIN_K:
         gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, replace(tile, per_sm=0), reduce)
         return
+    zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
+    s2 = weights.w2_scales
     grid2 = (programs(rows.max_blocks * triton.cdiv(h, 64), x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
         words_descriptor(weights.w2_qweight), inter, s2, zeros2, topk_weights, target, rows.sorted_pairs,
