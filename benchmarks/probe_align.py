@@ -30,6 +30,7 @@ import os
 import re
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -64,17 +65,11 @@ def switches(values: dict):
     """Module constants switched for one variant: ``NAME`` in kernels/align.py, ``routing.NAME`` in routing.py."""
     from repack.runtime.kernels import align, routing
 
-    def place(name: str):
-        return (routing, name.split(".", 1)[1]) if name.startswith("routing.") else (align, name)
-
-    saved = {name: getattr(*place(name)) for name in values}
-    for name, value in values.items():
-        setattr(*place(name), value)
-    try:
+    with contextlib.ExitStack() as patches:
+        for name, value in values.items():
+            module, attr = (routing, name.split(".", 1)[1]) if name.startswith("routing.") else (align, name)
+            patches.enter_context(mock.patch.object(module, attr, value))
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(*place(name), value)
 
 
 def anchor_cells(path: Path) -> list[dict]:
