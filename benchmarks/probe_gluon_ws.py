@@ -3,7 +3,8 @@ same calls.
 
     python -m benchmarks.probe_gluon_ws [--models ...] [--ms 4,16,64] [--variants ...] [--out DIR]
 
-For every model x M (fp16, random sym g128 weights rotated past L2): one routing and alignment (blocks of the
+For every model x M (fp16 or bf16, random g128 weights rotated past L2; symmetric, or with random zero points
+under ``--zeros``): one routing and alignment (blocks of the
 16-token tile), then each variant's w13 + w2 on them, checked first against the float32 reference at min(M, 16)
 tokens (relative error <= 1e-3) and then timed as a CUDA graph (median), with its launches profiled
 (benchmarks/launch_profile.py). Variants: ``base`` = gluon_sm90.launch with the same tile; ``ws-P-S`` = the
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,7 +60,8 @@ def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile, dt
     ref = reference_moe(case, x[:n], stacks[0], ids[:n], w[:n])
     rows_out = []
     for variant in variants:
-        row = dict(model=case.name, M=m, variant=variant, dtype=str(dtype).removeprefix("torch."))
+        row = dict(model=case.name, M=m, variant=variant, dtype=str(dtype).removeprefix("torch."),
+                   zeros=stacks[0].w13_zeros is not None)
 
         def step(i: int, variant: str = variant) -> None:
             run_variant(variant, x, stacks[i], ids, w, rows, inter, target, tile)
@@ -84,12 +87,19 @@ def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile, dt
     return rows_out
 
 
+def with_zeros(stack):
+    """``stack`` with random zero points (uint8 in [0, 15], one per group and row) on both projections."""
+    zeros = lambda scales: torch.randint(0, 16, scales.shape, dtype=torch.uint8, device=scales.device)  # noqa: E731
+    return replace(stack, w13_zeros=zeros(stack.w13_scales), w2_zeros=zeros(stack.w2_scales))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen2-57b,mixtral-8x7b,qwen3-30b,qwen3-235b,dsv3")
     parser.add_argument("--ms", default="4,16,64")
     parser.add_argument("--variants", default="base,ws-4-4,ws-2-8,ws-3-6")
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser.add_argument("--zeros", action="store_true", help="asymmetric: random uint8 zero points in [0, 15]")
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -103,6 +113,8 @@ def main() -> None:
         ms = [int(m) for m in args.ms.split(",")]
         per_token = case.top_k * 3 * case.hidden * case.inter / 2
         stacks = random_stack(case.experts, case.hidden, case.inter, rotation(per_token * min(ms)))
+        if args.zeros:
+            stacks = [with_zeros(stack) for stack in stacks]
         for m in ms:
             results += measure(case, m, stacks, args.variants.split(","), tile, getattr(torch, args.dtype))
             out_path.write_text(json.dumps(results, indent=1))

@@ -538,17 +538,25 @@ def direct_mode(num_pairs: int, num_experts: int) -> bool:
 
 
 GLUON_DECODE_HIDDEN = 6144  # from this hidden size up the Gluon kernels beat these at every M (DeepSeek-V3's 7168)
+GLUON_DECODE_PAIRS = 24  # from this many pairs up the persistent Gluon kernels beat these (M = 4 of top-6 and top-8)
 
 
 def gluon_streams_better(call: Call) -> bool:
     """Where the Gluon sm_90 kernels run the call, whether they beat these kernels even with few pairs, as measured
-    on the H200 (benchmarks/KERNEL_NOTES.md item 20, same process): a hidden size of GLUON_DECODE_HIDDEN or more
-    (DeepSeek-V3, M = 1..16: 9-18% faster), and few experts shared by many pairs (Mixtral M = 4: eight pairs on
-    about 5.5 distinct experts, each read once there and once per pair here: 218 against 250 us)."""
+    on the H200 (benchmarks/KERNEL_NOTES.md items 20 and 26, same process): a hidden size of GLUON_DECODE_HIDDEN or
+    more (DeepSeek-V3, M = 1..16: 9-18% faster); few experts shared by many pairs (Mixtral M = 4: eight pairs on
+    about 5.5 distinct experts, each read once there and once per pair here: 218 against 250 us); and, since the
+    warp-specialized persistent kernels, GLUON_DECODE_PAIRS pairs or more (M = 4: Qwen3-30B 39.6 against 47.9 us,
+    DeepSeek-V2-Lite 46.8 against 56.3, Qwen3-235B 122.3 against 140.3; at M = 1 these kernels stayed ahead by
+    1-12%: too few weight tiles to fill the GPU there, while these split K)."""
     if not gluon_sm90.FAMILY.supports(call):
         return False
     experts = call.weights.num_experts
-    return call.weights.hidden_size >= GLUON_DECODE_HIDDEN or (experts < 32 and call.num_pairs > experts // 2)
+    return (
+        call.weights.hidden_size >= GLUON_DECODE_HIDDEN
+        or call.num_pairs >= GLUON_DECODE_PAIRS
+        or (experts < 32 and call.num_pairs > experts // 2)
+    )
 
 
 class Decode(KernelFamily):

@@ -117,11 +117,17 @@ def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) ->
 
 
 def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> GluonTile:
-    """``tile`` as it runs: one program per tile (this module's kernels) where the warp-specialized ones do not
-    fit (:func:`persistent_fits`) or $WS_ENV is "0"."""
-    if tile.per_sm and (os.environ.get(WS_ENV, "") == "0" or not persistent_fits(tile, weights, dtype)):
+    """``tile`` as it runs: at 4 programs per SM where that fits, else at 3 (bf16, asymmetric zeros: 80 registers;
+    bf16 on the H200, Qwen2-57B and Mixtral at M = 4 and 16: 17-28% faster than one program per tile,
+    KERNEL_NOTES.md item 26), else one program per tile (this module's kernels), which $WS_ENV = "0" forces."""
+    if not tile.per_sm:
+        return tile
+    if os.environ.get(WS_ENV, "") == "0":
         return replace(tile, per_sm=0)
-    return tile
+    for per_sm in (tile.per_sm, 3) if tile.per_sm > 3 else (tile.per_sm,):
+        if persistent_fits(replace(tile, per_sm=per_sm), weights, dtype):
+            return replace(tile, per_sm=per_sm)
+    return replace(tile, per_sm=0)
 
 
 def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.float16) -> GluonTile:

@@ -20,9 +20,12 @@ wave. Here:
   runs ahead into its next tile while the consumer is in the epilogue, so a short K (w2) pays no ring fill per
   tile and dead tiles (alignment bound past the real block count) cost no program.
 
-Probe status: run by benchmarks/probe_gluon_ws.py against gluon_sm90 on the same calls; not a family of the
-dispatcher until it measures faster (KERNEL_NOTES item 23). Layout of the words: the ``mma128`` stacks of
-formats/SPEC.md section 3, read through a 2-D view ``[experts * rows, K / 8]`` int32.
+- w2, where its sum is added into the target, takes an equal range of the flattened (tile, K step) work per
+  program (stream-K, :data:`W2_STREAM_K`), not whole tiles.
+
+gluon_sm90's family runs these for a tile with ``per_sm`` set (runtime/kernel_config.py; benchmarks/probe_gluon_ws.py
+measures them against gluon_sm90's kernels on the same calls, KERNEL_NOTES items 25-26). Layout of the words: the
+``mma128`` stacks of formats/SPEC.md section 3, read through a 2-D view ``[experts * rows, K / 8]`` int32.
 """
 
 from __future__ import annotations
@@ -79,6 +82,13 @@ W_TMA_LAYOUT = (
 # -15%), about even at Qwen2-57B's 2560 (benchmarks/RESULTS.md 2026-12-05 10:30 UTC, KERNEL_NOTES.md item 25).
 W2_PERSISTENT_MIN_K = 2048
 PRODUCER_REGS = 40  # registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg
+# w2 (where its sum is added into the target, reduce "out"/"atomic") splits the flattened (tile, K step) work into one
+# equal range per program (stream-K) instead of dealing whole tiles round-robin: a few live tiles of long K (Mixtral
+# at M = 1-4: 128-352 tiles of 112 steps for 528 programs) left most programs idle, a partial last wave cost up to a
+# tile's time elsewhere (KERNEL_NOTES.md item 26). A program's range ends mid-tile: its partial sum is added as is.
+W2_STREAM_K = True
+STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [64, block_m] partial)
+_STREAM_K_MIN_STEPS = gl.constexpr(STREAM_K_MIN_STEPS) if gluon_sm90.available() else None
 
 
 if gluon_sm90.available():
@@ -90,9 +100,30 @@ if gluon_sm90.available():
         return gl.load(num_blocks_ptr) * n_tiles, n_tiles
 
     @gluon.jit
+    def _share(num_tiles, num_steps, STREAM_K: gl.constexpr):
+        """This program's work: (first tile, end tile, tile stride, start, end), tile ``t`` taking the K steps
+        ``[max(start - t * num_steps, 0), min(end - t * num_steps, num_steps))``. Round-robin: tiles pid, pid + P,
+        ... whole. STREAM_K: the range [start, end) of the flattened (tile, step) work, one equal share per program
+        (at least STREAM_K_MIN_STEPS steps), so it may begin and end inside a tile."""
+        if STREAM_K:
+            total = num_tiles * num_steps
+            share = gl.maximum(gl.cdiv(total, gl.num_programs(0)), _STREAM_K_MIN_STEPS)
+            start = gl.program_id(0) * share
+            end = gl.minimum(start + share, total)
+            return start // num_steps, gl.cdiv(end, num_steps), 1, start, end
+        else:
+            return gl.program_id(0), num_tiles, gl.num_programs(0), 0, num_tiles * num_steps
+
+    @gluon.jit
+    def _tile_steps(t, num_steps, start, end):
+        """The K steps tile ``t`` takes of the range [start, end) (see :func:`_share`)."""
+        return gl.maximum(start - t * num_steps, 0), gl.minimum(end - t * num_steps, num_steps)
+
+    @gluon.jit
     def _producer(w_desc, src_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready, empty,
                   num_pairs, rows_per_expert, N, K, stride_src, ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr):  # fmt: skip
+                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr,
+                  STREAM_K: gl.constexpr):  # fmt: skip
         """The worker partition: every K step of every tile of this program into the ring. A stage is ready when
         its TMA bytes (BOXES boxes of words) and each lane's cp.async copies (the activations) have landed.
 
@@ -104,14 +135,16 @@ if gluon_sm90.available():
         r = gl.arange(0, PART_ROWS, layout=gl.SliceLayout(1, x_layout(gl.num_warps())))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
         num_steps = K // 128
+        first, last, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
         it = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        for t in range(first, last, stride):
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
             pairs = gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + r % BLOCK_M), 1)
             token_rows = src_ptr + (pairs // ROW_DIV).to(gl.int64) * stride_src
             pair_mask = pairs < num_pairs
             row0 = gl.load(block_experts_ptr + pid_m) * rows_per_expert + pid_n * BLOCK_N
-            for step in range(num_steps):
+            step0, step1 = _tile_steps(t, num_steps, start, end)
+            for step in range(step0, step1):
                 stage = it % STAGES
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
                 # The activations first: each lane's arrival raises the pending count now and lowers it when its
@@ -126,11 +159,12 @@ if gluon_sm90.available():
                 it += 1
 
     @gluon.jit
-    def _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows_ok, num_steps, stride_s_g,
+    def _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows_ok, step0, step1, stride_s_g,
                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr, HAS_ZEROS: gl.constexpr,
                   SYM_ZERO: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
-        """acc [ROWS, BLOCK_M] of one tile from the ring (the consumer's K loop), and the ring position after it.
-        Each stage is freed once the wgmma after its last one has been waited for (one stays in flight)."""
+        """acc [ROWS, BLOCK_M] of one tile's K steps [step0, step1) from the ring (the consumer's K loop), and the
+        ring position after it. Each stage is freed once the wgmma after its last one has been waited for (one stays
+        in flight)."""
         STAGES: gl.constexpr = w_smem.shape[0]
         IS_FP16: gl.constexpr = gl.float16 == DTYPE
         ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
@@ -138,11 +172,12 @@ if gluon_sm90.available():
         scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
         acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
         part = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
-        scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, 0, stride_s_g,
-                                         HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
-        for step in range(num_steps):
+        scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok,
+                                         step0 * 128 // GROUP_LEN, stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16,
+                                         SCALE_AFTER)  # fmt: skip
+        for step in range(step0, step1):
             stage = it % STAGES
-            k_next = gl.minimum(step + 1, num_steps - 1) * 128
+            k_next = gl.minimum(step + 1, step1 - 1) * 128
             next_quant = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, k_next // GROUP_LEN,
                                      stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
@@ -154,7 +189,7 @@ if gluon_sm90.available():
             # The previous step's last wgmma has retired (one stays in flight): its stage may be refilled, after
             # this warpgroup's reads of it are ordered before the TMA's writes.
             fence_async_shared()
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=step > 0)
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=step > step0)
             acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
                                      BLOCK_M, SCALE_AFTER)  # fmt: skip
             scale, bias2, odd2 = next_quant
@@ -184,7 +219,7 @@ if gluon_sm90.available():
             channels = pid_n * BLOCK_N + offs_r % BLOCK_N
             rows = channels + (offs_r // BLOCK_N) * N
             acc, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e,
-                                zeros_ptr + expert * stride_s_e, rows, channels < N, K // 128, stride_s_g, ROWS,
+                                zeros_ptr + expert * stride_s_e, rows, channels < N, 0, K // 128, stride_s_g, ROWS,
                                 BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
             gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
             act = gl.convert_layout(gate / (1.0 + gl.exp(-gate)) * up, OUT_LAYOUT)
@@ -199,19 +234,24 @@ if gluon_sm90.available():
                      sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g,
                      stride_out, TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr,
                      HAS_ZEROS: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
-        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for every tile of this program."""
+                     GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr,
+                     STREAM_K: gl.constexpr):  # fmt: skip
+        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for every tile (or, STREAM_K, every piece
+        of a tile: :func:`_share`) of this program."""
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
         OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
         offs_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
+        num_steps = K // 128
+        first, last, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
         it = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        for t in range(first, last, stride):
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
             expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
             rows = pid_n * BLOCK_N + offs_r
+            step0, step1 = _tile_steps(t, num_steps, start, end)
             acc, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e,
-                                zeros_ptr + expert * stride_s_e, rows, rows < N, K // 128, stride_s_g, BLOCK_N,
+                                zeros_ptr + expert * stride_s_e, rows, rows < N, step0, step1, stride_s_g, BLOCK_N,
                                 BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
             acc = gl.convert_layout(acc, OUT_LAYOUT)
             out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
@@ -262,7 +302,7 @@ if gluon_sm90.available():
                              GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE)),
             (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
                          empty, num_pairs, 2 * N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
-                         2 * BLOCK_N // _BOX_ROWS)),
+                         2 * BLOCK_N // _BOX_ROWS, False)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
 
@@ -272,9 +312,10 @@ if gluon_sm90.available():
         num_blocks_ptr, num_pairs, N, K, stride_inter, stride_s_e, stride_s_g, stride_out,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, STREAM_K: gl.constexpr,
     ):  # fmt: skip
-        """out (+)= route weight * inter W2^T over the aligned blocks."""
+        """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
+        the (tile, K step) work)."""
         DTYPE: gl.constexpr = inter_ptr.dtype.element_ty
         w_smem, x_smem, ready, empty = _ring(DTYPE, BLOCK_N, BLOCK_M, STAGES)
         # fmt: off
@@ -282,10 +323,10 @@ if gluon_sm90.available():
             (_w2_consumer, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
                             sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e,
                             stride_s_g, stride_out, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N,
-                            GROUP_M, SCALE_AFTER, DTYPE)),
+                            GROUP_M, SCALE_AFTER, DTYPE, STREAM_K)),
             (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
                          ready, empty, num_pairs, N, N, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
-                         BLOCK_N // _BOX_ROWS)),
+                         BLOCK_N // _BOX_ROWS, STREAM_K)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
 
@@ -344,9 +385,14 @@ def launch(
         return
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     s2 = weights.w2_scales
-    grid2 = (programs(rows.max_blocks * triton.cdiv(h, 64), x.device, tile.per_sm),)
+    stream_k = atomic and W2_STREAM_K
+    work2 = rows.max_blocks * triton.cdiv(h, 64)  # tiles at most; stream-K: ranges of STREAM_K_MIN_STEPS at most
+    if stream_k:
+        work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
+    grid2 = (programs(work2, x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
         words_descriptor(weights.w2_qweight), inter, s2, zeros2, topk_weights, target, rows.sorted_pairs,
         rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0), s2.stride(0), s2.stride(1),
-        target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=64, **common,
+        target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=64,
+        STREAM_K=stream_k, **common,
     )  # fmt: skip

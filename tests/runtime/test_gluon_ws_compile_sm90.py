@@ -1,6 +1,7 @@
 """The warp-specialized Gluon GEMMs (runtime/kernels/gluon_ws_sm90.py) compile for sm_90 on the CPU as the probe
 launches them: no spills at each register cap, the partitions' register split applied, a wgmma in flight in the K
-loop, and the stages handed over by mbarriers. Gluon has no interpreter, so this is what CI can hold them to until
+loop, and the stages handed over by mbarriers; w2 with the top-k sum it ships with (fp16: added into the output over
+stream-K ranges; bf16: a row per pair, whole tiles). Gluon has no interpreter, so this is what CI can hold them to until
 benchmarks/probe_gluon_ws.py has run them on a GPU. Runs in a subprocess: the test session sets TRITON_INTERPRET.
 """
 
@@ -42,7 +43,9 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m, BLOCK_N=64,
                   GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=ws.PRODUCER_REGS,
                   SCALE_AFTER=gluon_sm90.scale_after(tile, getattr(torch, act)))
-    consts.update(dict(ZERO_OUT=True) if name == "w13" else dict(ATOMIC=True))
+    # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 writes rows per pair (heuristic_reduce)
+    atomic = act == "float16"
+    consts.update(dict(ZERO_OUT=atomic) if name == "w13" else dict(ATOMIC=atomic, STREAM_K=atomic))
     sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)

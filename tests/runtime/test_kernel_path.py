@@ -238,15 +238,17 @@ def test_decode_leaves_few_pairs_to_gluon_where_gluon_streams_them_faster(sm90, 
     dsv3, mixtral, qwen = stack(256, 7168), stack(8, 4096), stack(128, 2048)
     assert picked(dsv3, 8) is Family.GLUON_SM90 and picked(dsv3, 128) is Family.GLUON_SM90
     assert picked(mixtral, 4) is Family.DECODE and picked(mixtral, 8) is Family.GLUON_SM90
-    assert picked(qwen, 8) is Family.DECODE and picked(qwen, 64) is Family.DECODE
+    assert picked(qwen, 8) is Family.DECODE and picked(qwen, 16) is Family.DECODE
+    assert picked(qwen, 24) is Family.GLUON_SM90 and picked(qwen, 64) is Family.GLUON_SM90
     monkeypatch.setenv(PORTABLE_ENV, "1")
     assert picked(dsv3, 8) is Family.DECODE and picked(mixtral, 8) is Family.DECODE
 
 
 def test_few_rows_per_expert_take_the_persistent_kernels_where_they_fit(sm90, monkeypatch):
     """Up to 8 rows per expert the heuristic's tile is the warp-specialized one (gluon_sm90.PERSISTENT_16); it runs
-    as such on symmetric fp16 stacks only (at 64 registers bf16 and asymmetric zeros spill), and $REPACK_GLUON_WS=0
-    turns it off, each time for gluon_sm90's one program per tile of the same shape."""
+    at 4 programs per SM on symmetric fp16 stacks, at 3 with bf16 or asymmetric zeros (at 64 registers they spill),
+    and $REPACK_GLUON_WS=0 (or act-order rows not gathered) turns it off for gluon_sm90's one program per tile of the
+    same shape."""
     from repack.runtime.kernels.gluon_sm90 import WS_ENV
 
     sym, asym = zero_stack(), zero_stack()
@@ -256,10 +258,13 @@ def test_few_rows_per_expert_take_the_persistent_kernels_where_they_fit(sm90, mo
     assert gluon_sm90.heuristic_tile(16, 2) == gluon_sm90.PERSISTENT_16 == GluonTile(16, 64, 1, per_sm=4)
     assert gluon_sm90.heuristic_tile(32, 2) == GluonTile(32, 64, 4)  # more rows: one program per tile
     assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == gluon_sm90.PERSISTENT_16
-    assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, BF16, 16)[1].gluon == plain
-    assert choose_family(asym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == plain
-    wide = dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 3])  # 80 registers: bf16 and zeros fit
-    assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == GluonTile(16, 64, 1, per_sm=3)
+    three = GluonTile(16, 64, 1, per_sm=3)  # 80 registers: bf16 and zeros fit
+    assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, BF16, 16)[1].gluon == three
+    assert choose_family(asym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == three
+    wide = dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 3])
+    assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == three
+    two = dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 2])  # a tuned per_sm below 4 stays as it is
+    assert choose_family(asym, KernelConfig.from_dict(two), CPU, BF16, 16)[1].gluon.per_sm == 2
     act_order = zero_stack(act_order=True)
     assert choose_family(act_order, KernelConfig.from_dict(wide), CPU, FP16, 16)[1].gluon.per_sm == 3  # rows gathered
     monkeypatch.setattr(gluon_sm90, "ACT_ORDER_GATHER", False)
