@@ -60,8 +60,13 @@ def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile, dt
     ref = reference_moe(case, x[:n], stacks[0], ids[:n], w[:n])
     rows_out = []
     for variant in variants:
-        row = dict(model=case.name, M=m, variant=variant, dtype=str(dtype).removeprefix("torch."),
-                   zeros=stacks[0].w13_zeros is not None)
+        row = dict(
+            model=case.name,
+            M=m,
+            variant=variant,
+            dtype=str(dtype).removeprefix("torch."),
+            zeros=stacks[0].w13_zeros is not None,
+        )
 
         def step(i: int, variant: str = variant) -> None:
             run_variant(variant, x, stacks[i], ids, w, rows, inter, target, tile)
