@@ -93,19 +93,24 @@ def copy_bandwidth() -> float:
 
 
 def dequantize_experts(weights, experts: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our layout -> (w13 [n, 2I, H], w2 [n, H, I]) in ``dtype`` for the listed experts (sym, no act-order)."""
+    """Our layout -> (w13 [n, 2I, H], w2 [n, H, I]) in ``dtype`` for the listed experts (g128, no act-order; zero
+    points where the stack has them, else 8)."""
 
-    def one(qweight, scales):
+    def one(qweight, scales, zeros):
         # plain GPTQ order (field s of word r is 8r + s); formats/word_order.py permutes on the CPU
         qweight = from_word_order(qweight.cpu(), weights.word_order).to(qweight.device)
         shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
         q = (qweight[..., None] >> shifts) & 0xF  # [n, N, K/8, 8]
-        q = q.reshape(*qweight.shape[:-1], -1).to(torch.float32) - 8
-        s = scales.to(torch.float32).repeat_interleave(128, dim=1).transpose(1, 2)  # [n, N, K]
-        return (q * s).to(dtype)
+        q = q.reshape(*qweight.shape[:-1], -1).to(torch.float32)
+        per_k = lambda t: t.to(torch.float32).repeat_interleave(128, dim=1).transpose(1, 2)  # noqa: E731  [n, N, K]
+        return ((q - (8 if zeros is None else per_k(zeros))) * per_k(scales)).to(dtype)
 
     idx = torch.tensor(experts, device=weights.w13_qweight.device)
-    return one(weights.w13_qweight[idx], weights.w13_scales[idx]), one(weights.w2_qweight[idx], weights.w2_scales[idx])
+    pick = lambda t: None if t is None else t[idx]  # noqa: E731
+    return (
+        one(weights.w13_qweight[idx], weights.w13_scales[idx], pick(weights.w13_zeros)),
+        one(weights.w2_qweight[idx], weights.w2_scales[idx], pick(weights.w2_zeros)),
+    )
 
 
 def rotation(bytes_per_call: float, limit: int = 16) -> int:
