@@ -6,9 +6,17 @@ the same files to the same disk (reads and writes share it), not `cat` (reads on
 6 and 7) are relative: convert <= 1.2x `cp -r SRC DST` (including the sync that makes the copy durable: the
 converter fsyncs its output too), verify --source <= convert, peak RSS <= 2 GB for both.
 
-Each repeat drops the page cache of the files involved (``POSIX_FADV_DONTNEED``; all of it where permitted), then
-runs, back to back: `cp -r SRC DST` + `sync` of the copy (the copy is deleted at once: a full-size source, its
-copy and the output do not fit on 80 GB together), `repack convert SRC OUT`, `repack verify OUT --source SRC`.
+Each repeat runs, back to back: `cp -r SRC DST` + `sync` of the copy, `repack convert SRC OUT`, `repack verify OUT
+--source SRC`. The previous repeat's output is deleted before the `cp` and the copy right after its `sync`, so
+each of the two timed writers starts beside the source alone (a full-size source, its copy and the output do not
+fit on 80 GB together). Before every step, timed or not, the disk is settled the same way (``settle_disk``):
+`sync`, the page cache dropped (all of it where permitted, else the files' pages with ``POSIX_FADV_DONTNEED``),
+then a wait until /proc/meminfo's Dirty + Writeback are near zero and the disk under --work (/proc/diskstats) has
+written and discarded next to nothing for a few seconds, at most --settle-timeout seconds. Why: a step must not
+pay for writes it did not make: the generator's 17-31 GB just before the first repeat (a 2.26x first repeat once
+used 30 CPU-s in 55 s), the discards of a folder deleted a moment before (file systems mounted with ``discard``),
+or other sessions' dirty pages. The wait is not timed; it is recorded per step, with whether it timed out. It
+sees only what this machine's kernel sees: a virtual disk's host may still be busy after it.
 Every step records wall time, the child's CPU time and peak RSS (``os.wait4``) and the machine's load (`uptime`)
 just before it: the machine is shared (2 cores), and the ratio of the same run is what compares, not the seconds.
 It prints a markdown block and appends it under ``## Conversion (CPU)`` in benchmarks/RESULTS.md.
@@ -30,10 +38,15 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_load import evict  # run as a script: benchmarks/ is sys.path[0]
+try:
+    from bench_load import evict  # run as a script: benchmarks/ is sys.path[0]
+except ImportError:  # imported as benchmarks.bench_convert (the tests)
+    from benchmarks.bench_load import evict
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -43,6 +56,11 @@ TARGET_RSS_BYTES = 2 * 10**9
 FULL_LAYERS = 28
 LAYER_BYTES = 1.05 * 10**9  # synthetic Qwen2-57B: routed + shared experts + attention of one layer
 FIXED_BYTES = 2.2 * 10**9  # embeddings and lm_head
+SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's own sector size
+SETTLE_TIMEOUT_S = 300.0
+SETTLE_QUIET_S = 5.0  # the disk must have been quiet this long
+SETTLE_MAX_DIRTY_BYTES = 64 * 2**20  # Dirty + Writeback (machine-wide: other sessions write too)
+SETTLE_MAX_WRITE_RATE = 4 * 2**20  # bytes/s written + discarded over the quiet window: logs, not a checkpoint
 
 
 @dataclass
@@ -78,6 +96,115 @@ def run_child(command: list[str], *, quiet: bool = False) -> ChildRun:
     if process.returncode != 0:
         raise SystemExit(f"benchmark step failed with exit code {process.returncode}: {shlex.join(command)}")
     return ChildRun(command, wall, usage.ru_maxrss * 1024, usage.ru_utime, usage.ru_stime, load)
+
+
+def meminfo_dirty_bytes(text: str) -> int:
+    """Dirty + Writeback of /proc/meminfo's ``text``, in bytes: what the kernel has yet to write, or is writing."""
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.split()
+    missing = [name for name in ("Dirty", "Writeback") if name not in fields]
+    if missing:
+        raise ValueError(f"/proc/meminfo has no {', '.join(missing)}")
+    total = 0
+    for name in ("Dirty", "Writeback"):
+        value = fields[name]
+        if len(value) != 2 or value[1] != "kB":
+            raise ValueError(f"/proc/meminfo {name}: expected '<n> kB', got {' '.join(value)!r}")
+        total += int(value[0]) * 1024
+    return total
+
+
+def diskstats_written_bytes(text: str, device: tuple[int, int] | None) -> int:
+    """Bytes written plus bytes discarded so far by ``device`` (major, minor) in /proc/diskstats's ``text``, or by
+    every device listed when ``device`` is None or not listed (a folder on overlayfs or tmpfs has no block device).
+    Discards count: on a file system mounted with ``discard``, deleting a 17 GB copy keeps the disk busy after
+    ``unlink`` returns. Kernels before 4.18 list no discard fields: written bytes only there."""
+    rows = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 14:
+            continue
+        written = int(parts[9])  # field 7: sectors written
+        discarded = int(parts[16]) if len(parts) >= 18 else 0  # field 14: sectors discarded
+        rows.append(((int(parts[0]), int(parts[1])), (written + discarded) * SECTOR_BYTES))
+    if not rows:
+        raise ValueError("/proc/diskstats lists no device")
+    mine = [value for key, value in rows if key == device]
+    return mine[0] if mine else sum(value for _, value in rows)
+
+
+def block_device(folder: Path) -> tuple[int, int]:
+    """(major, minor) of the device holding ``folder``."""
+    dev = folder.stat().st_dev
+    return os.major(dev), os.minor(dev)
+
+
+@dataclass
+class Settle:
+    """How long a step waited for a quiet disk, and the state it started in."""
+
+    wait_s: float
+    settled: bool  # False: the wait hit its timeout
+    dirty_bytes: int  # Dirty + Writeback when the wait ended
+    write_rate: float  # bytes/s written + discarded over the last quiet window (or what was seen of it)
+
+    def cell(self) -> str:
+        """The table's cell: the wait, and the state it ended in where it timed out."""
+        if self.settled:
+            return f"{self.wait_s:.0f} s"
+        return (
+            f"{self.wait_s:.0f} s, timed out ({self.dirty_bytes / 2**20:.0f} MiB dirty, "
+            f"{self.write_rate / 2**20:.1f} MiB/s)"
+        )
+
+
+def wait_until_quiet(
+    sample: Callable[[], tuple[int, int]],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    sync: Callable[[], None] = os.sync,
+    timeout_s: float = SETTLE_TIMEOUT_S,
+    quiet_s: float = SETTLE_QUIET_S,
+    max_dirty_bytes: int = SETTLE_MAX_DIRTY_BYTES,
+    max_write_rate: float = SETTLE_MAX_WRITE_RATE,
+    poll_s: float = 1.0,
+) -> Settle:
+    """Wait until the disk is quiet: ``sample()`` returns (Dirty + Writeback bytes, bytes written + discarded so
+    far); quiet means the dirty bytes at most ``max_dirty_bytes`` now and the disk's write rate at most
+    ``max_write_rate`` over the last ``quiet_s`` seconds. Each poll syncs first, so dirty pages left by other
+    work go out now rather than during the next timed step. Gives up after ``timeout_s`` and says so."""
+    start = clock()
+    window: deque[tuple[float, int]] = deque()
+    while True:
+        sync()
+        now = clock()
+        dirty, written = sample()
+        window.append((now, written))
+        while len(window) > 1 and now - window[1][0] >= quiet_s:
+            window.popleft()  # keep one sample at least quiet_s old
+        span = now - window[0][0]
+        rate = (written - window[0][1]) / span if span > 0 else float("inf")
+        if span >= quiet_s and dirty <= max_dirty_bytes and rate <= max_write_rate:
+            return Settle(now - start, True, dirty, rate)
+        if now - start >= timeout_s:
+            return Settle(now - start, False, dirty, rate)
+        sleep(poll_s)
+
+
+def settle_disk(work: Path, *folders: Path, timeout_s: float = SETTLE_TIMEOUT_S) -> tuple[bool, Settle]:
+    """Before a step: drop the page cache (``drop_page_cache``), then wait until the disk under ``work`` is quiet
+    (``wait_until_quiet``). Returns whether the cache was dropped, and the wait."""
+    dropped = drop_page_cache(*folders)
+    device = block_device(work)
+    meminfo, diskstats = Path("/proc/meminfo"), Path("/proc/diskstats")
+
+    def sample() -> tuple[int, int]:
+        return meminfo_dirty_bytes(meminfo.read_text()), diskstats_written_bytes(diskstats.read_text(), device)
+
+    return dropped, wait_until_quiet(sample, timeout_s=timeout_s)
 
 
 def drop_page_cache(*folders: Path) -> bool:
@@ -144,12 +271,14 @@ def check_disk_space(work: Path, need: float) -> None:
 
 @dataclass
 class Repeat:
-    """One back-to-back run of the anchor, the conversion and the verification."""
+    """One back-to-back run of the anchor, the conversion and the verification, and the settling before each."""
 
     cp: ChildRun
     sync: ChildRun
     convert: ChildRun
     verify: ChildRun | None
+    settles: dict[str, Settle]  # "cp", "convert", "verify": the wait for a quiet disk before that step
+    cache_dropped: bool  # before every step
 
     @property
     def anchor_s(self) -> float:
@@ -160,23 +289,35 @@ class Repeat:
         return self.convert.wall_s / self.anchor_s
 
 
-def run_repeat(src: Path, out: Path, copy: Path, repack: str, shard_size: str, verify: bool) -> Repeat:
-    drop_page_cache(src)
+def run_repeat(
+    src: Path, out: Path, copy: Path, repack: str, shard_size: str, verify: bool, settle_timeout_s: float
+) -> Repeat:
+    """cp + sync, convert, verify; every step after the same settling, none of which is timed."""
+    work = copy.parent
+    settles: dict[str, Settle] = {}
+    dropped: list[bool] = []
+
+    def settle(step: str, *folders: Path) -> None:
+        cache_dropped, settles[step] = settle_disk(work, *folders, timeout_s=settle_timeout_s)
+        dropped.append(cache_dropped)
+        print(f"settled before {step}: {settles[step].cell()}", flush=True)
+
+    shutil.rmtree(out, ignore_errors=True)  # the previous repeat's: cp starts beside the source alone, as convert
+    settle("cp", src)
     copied = run_child(["cp", "-r", str(src), str(copy)])
     synced = run_child(["sync", *map(str, sorted(copy.iterdir()))])
     shutil.rmtree(copy)  # before converting: source, copy and output of full size do not fit together
     print(f"cp -r: {copied.wall_s:.1f} s + sync {synced.wall_s:.1f} s (load {copied.load})", flush=True)
-    drop_page_cache(src)
-    shutil.rmtree(out, ignore_errors=True)
+    settle("convert", src)
     converted = run_child([repack, "convert", str(src), str(out), "--shard-size", shard_size, "--quiet"])
     ratio = converted.wall_s / (copied.wall_s + synced.wall_s)
     print(f"convert: {converted.wall_s:.1f} s ({ratio:.2f}x), peak RSS {converted.max_rss_bytes / 1e9:.2f} GB")
     verified = None
     if verify:
-        drop_page_cache(src, out)
+        settle("verify", src, out)
         verified = run_child([repack, "verify", str(out), "--source", str(src), "--quiet"], quiet=True)
         print(f"verify --source: {verified.wall_s:.1f} s, peak RSS {verified.max_rss_bytes / 1e9:.2f} GB", flush=True)
-    return Repeat(copied, synced, converted, verified)
+    return Repeat(copied, synced, converted, verified, settles, all(dropped))
 
 
 def markdown(figures: dict, machine: dict[str, str], repeats: list[Repeat]) -> str:
@@ -184,7 +325,7 @@ def markdown(figures: dict, machine: dict[str, str], repeats: list[Repeat]) -> s
     source_gb = figures["source_bytes"] / 1e9
     cache = (
         "dropped before each step (the whole cache, or the files' pages with POSIX_FADV_DONTNEED)"
-        if figures["cache_dropped"]
+        if all(r.cache_dropped for r in repeats)
         else "NOT dropped (not permitted): warm-cache figures"
     )
     first = repeats[0]
@@ -196,27 +337,39 @@ def markdown(figures: dict, machine: dict[str, str], repeats: list[Repeat]) -> s
         f"- source: {source_gb:.2f} GB in {figures['source_files']} weight files; output "
         f"{figures['output_bytes'] / 1e9:.2f} GB",
         f"- page cache: {cache}",
+        f"- settled before each step, untimed: `sync`, page cache dropped, then a wait until Dirty + Writeback <= "
+        f"{SETTLE_MAX_DIRTY_BYTES / 2**20:.0f} MiB and the disk under --work ({figures['device']}) wrote + "
+        f"discarded <= {SETTLE_MAX_WRITE_RATE / 2**20:.0f} MiB/s for {SETTLE_QUIET_S:.0f} s, at most "
+        f"{figures['settle_timeout_s']:.0f} s (the `wait` columns)",
+        *(
+            [f"- source generated just before repeat 1 ({figures['generate_s']:.1f} s, make_synthetic_57b.py)"]
+            if "generate_s" in figures
+            else []
+        ),
         f"- command: `{figures['command']}`",
         f"- anchor: `{shlex.join(first.cp.command)}` then `sync` of the copy's files, deleted before converting",
         f"- convert: `{shlex.join(first.convert.command)}`",
         *([f"- verify: `{shlex.join(first.verify.command)}`"] if first.verify else []),
         "- load: 1, 5 and 15 minute load averages (`uptime`) just before each step; 2 cores shared with other work",
         "",
-        "| repeat | load before cp | `cp -r` + sync | load before convert | convert wall (CPU) | convert / cp "
-        "| convert peak RSS | load before verify | verify --source wall (CPU) | verify / convert | verify peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| repeat | wait before cp | load before cp | `cp -r` + sync | wait before convert | load before convert "
+        "| convert wall (CPU) | convert / cp | convert peak RSS | wait before verify | load before verify "
+        "| verify --source wall (CPU) | verify / convert | verify peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for index, repeat in enumerate(repeats, 1):
         convert, verify = repeat.convert, repeat.verify
         verify_cells = (
-            [verify.load, f"{verify.wall_s:.1f} s ({verify.cpu_s:.0f} s)", f"{verify.wall_s / convert.wall_s:.2f}x",
-             f"{verify.max_rss_bytes / 1e9:.2f} GB"]
-            if verify else ["", "not run", "", ""]
+            [repeat.settles["verify"].cell(), verify.load, f"{verify.wall_s:.1f} s ({verify.cpu_s:.0f} s)",
+             f"{verify.wall_s / convert.wall_s:.2f}x", f"{verify.max_rss_bytes / 1e9:.2f} GB"]
+            if verify else ["", "", "not run", "", ""]
         )  # fmt: skip
         cells = [
             str(index),
+            repeat.settles["cp"].cell(),
             repeat.cp.load,
             f"{repeat.cp.wall_s:.1f} + {repeat.sync.wall_s:.1f} s",
+            repeat.settles["convert"].cell(),
             convert.load,
             f"{convert.wall_s:.1f} s ({convert.cpu_s:.0f} s)",
             f"**{repeat.ratio:.2f}x**",
@@ -264,6 +417,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-verify", action="store_true", help="skip timing repack verify --source")
     parser.add_argument("--no-results", action="store_true", help=f"print only, do not append to {RESULTS.name}")
     parser.add_argument("--keep", action="store_true", help="keep the generated source and the output")
+    parser.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=SETTLE_TIMEOUT_S,
+        help="seconds to wait at most for a quiet disk before each step (the wait is recorded, not timed)",
+    )
     args = parser.parse_args(argv)
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -280,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
         "label": f"synthetic Qwen2-57B-A14B GPTQ int4, {layers} of {FULL_LAYERS} layers",
+        "device": "{}:{}".format(*block_device(args.work)),
+        "settle_timeout_s": args.settle_timeout,
     }
     # The `repack` of this interpreter's environment (`make bench-convert` does not put .venv/bin on PATH).
     beside = Path(sys.executable).parent / "repack"
@@ -293,15 +454,14 @@ def main(argv: list[str] | None = None) -> None:
             generate = [sys.executable, str(REPO / "benchmarks" / "make_synthetic_57b.py"), str(src)]
             if args.layers:
                 generate += ["--layers", str(args.layers)]
-            run_child(generate)
+            figures["generate_s"] = run_child(generate).wall_s
         else:
             check_disk_space(args.work, folder_bytes(src) + 10**9)
         files = weight_files(src)
         figures["source_files"] = len(files)
         figures["source_bytes"] = sum(p.stat().st_size for p in files)
-        figures["cache_dropped"] = drop_page_cache(src)
         for _ in range(args.repeat):
-            repeats.append(run_repeat(src, out, copy, repack, args.shard_size, not args.no_verify))
+            repeats.append(run_repeat(src, out, copy, repack, args.shard_size, not args.no_verify, args.settle_timeout))
         figures["output_bytes"] = folder_bytes(out)
     finally:
         shutil.rmtree(copy, ignore_errors=True)
