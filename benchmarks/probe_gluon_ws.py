@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     out_path = Path(args.out, "probe_gluon_ws.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     tile = GluonTile(16, 64, 1, 4)
     results = []
     for case in (c for c in CASES if c.name in args.models.split(",")):

@@ -38,6 +38,11 @@ def main() -> None:
         help="time only the weight-major configs, plus the shipped config of each M as the baseline",
     )
     parser.add_argument(
+        "--only-family",
+        choices=[f.value for f in Family],
+        help="time only this family's configs, plus the shipped config of each M as the baseline",
+    )
+    parser.add_argument(
         "--only-shipped",
         action="store_true",
         help="time only the shipped config of each M (the nearest M's where none): an A/B of two code versions",
@@ -68,11 +73,12 @@ def main() -> None:
             out = torch.empty_like(x)
             timings = []
             candidates = candidate_configs(m, case.top_k, stacks[0])
-            if args.only_weight_major or args.only_shipped:
+            only = Family.WEIGHT_MAJOR if args.only_weight_major else args.only_family and Family(args.only_family)
+            if only or args.only_shipped:
                 shipped = load_configs(case.experts, case.inter, device_name("cuda")) or {}
                 nearest = [shipped[min(shipped, key=lambda k: abs(k - m))]] if shipped else []
-                weight_major = [] if args.only_shipped else [c for c in candidates if c.family is Family.WEIGHT_MAJOR]
-                candidates = nearest + weight_major
+                family = [] if args.only_shipped else [c for c in candidates if c.family is only]
+                candidates = nearest + family
             for c in candidates:
 
                 def run(c=c, x=x, ids=ids, w=w, out=out, stacks=stacks):
