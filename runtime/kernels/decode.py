@@ -539,6 +539,7 @@ def direct_mode(num_pairs: int, num_experts: int) -> bool:
 
 GLUON_DECODE_HIDDEN = 6144  # from this hidden size up the Gluon kernels beat these at every M (DeepSeek-V3's 7168)
 GLUON_DECODE_PAIRS = 24  # from this many pairs up the persistent Gluon kernels beat these (M = 4 of top-6 and top-8)
+GLUON_DECODE_WEIGHTS = 10**8  # from this many weights streamed per call up (pairs x hidden x intermediate) the same
 
 
 def gluon_streams_better(call: Call) -> bool:
@@ -548,13 +549,17 @@ def gluon_streams_better(call: Call) -> bool:
     about 5.5 distinct experts, each read once there and once per pair here: 218 against 250 us); and, since the
     warp-specialized persistent kernels, GLUON_DECODE_PAIRS pairs or more (M = 4: Qwen3-30B 39.6 against 47.9 us,
     DeepSeek-V2-Lite 46.8 against 56.3, Qwen3-235B 122.3 against 140.3; at M = 1 these kernels stayed ahead by
-    1-12%: too few weight tiles to fill the GPU there, while these split K)."""
+    1-12%: too few weight tiles to fill the GPU there, while these split K); and GLUON_DECODE_WEIGHTS weights or
+    more streamed by the call, where even a few pairs give the Gluon kernels enough tiles (Mixtral M = 1: two
+    experts of 4096 x 14336, 78.8 against 95.7 us; Qwen3-235B's 8 x 4096 x 1536 stayed here, 42.6 against 45.5)."""
     if not gluon_sm90.FAMILY.supports(call):
         return False
-    experts = call.weights.num_experts
+    weights = call.weights
+    experts = weights.num_experts
     return (
-        call.weights.hidden_size >= GLUON_DECODE_HIDDEN
+        weights.hidden_size >= GLUON_DECODE_HIDDEN
         or call.num_pairs >= GLUON_DECODE_PAIRS
+        or call.num_pairs * weights.hidden_size * weights.intermediate_size >= GLUON_DECODE_WEIGHTS
         or (experts < 32 and call.num_pairs > experts // 2)
     )
 

@@ -227,16 +227,18 @@ def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm9
 
 def test_decode_leaves_few_pairs_to_gluon_where_gluon_streams_them_faster(sm90, monkeypatch):
     """decode.gluon_streams_better: a hidden size of 6144 or more (DeepSeek-V3's 7168) at every M, and few experts
-    shared by more pairs than half of them (Mixtral at M = 4); elsewhere direct_mode decides as before, and without
-    the Gluon kernels ($REPACK_PORTABLE_KERNELS, a CPU, another GPU) nothing changes."""
+    shared by more pairs than half of them (Mixtral at M = 4), 10**8 weights streamed (Mixtral at M = 1); elsewhere
+    direct_mode decides as before, and without the Gluon kernels ($REPACK_PORTABLE_KERNELS, a CPU, another GPU)
+    nothing changes."""
     from repack.runtime.fused_moe import heuristic_config
     from repack.runtime.kernels.family import Call
 
     meta = lambda *shape: torch.empty(shape, dtype=torch.int32, device="meta")  # noqa: E731
 
-    def stack(experts: int, hidden: int) -> MoeWeights:
-        return MoeWeights(meta(experts, 256, hidden // 8), meta(experts, hidden // 128, 256), meta(experts, hidden, 16),
-                          meta(experts, 1, hidden), bits=4, group_size=128, word_order=MMA128_ORDER)  # fmt: skip
+    def stack(experts: int, hidden: int, inter: int = 128) -> MoeWeights:
+        return MoeWeights(meta(experts, 2 * inter, hidden // 8), meta(experts, hidden // 128, 2 * inter),
+                          meta(experts, hidden, inter // 8), meta(experts, inter // 128, hidden),
+                          bits=4, group_size=128, word_order=MMA128_ORDER)  # fmt: skip
 
     def picked(weights: MoeWeights, pairs: int) -> Family:
         return heuristic_config(Call(weights, torch.device("cuda"), FP16, pairs)).family
@@ -246,6 +248,11 @@ def test_decode_leaves_few_pairs_to_gluon_where_gluon_streams_them_faster(sm90, 
     assert picked(mixtral, 4) is Family.DECODE and picked(mixtral, 8) is Family.GLUON_SM90
     assert picked(qwen, 8) is Family.DECODE and picked(qwen, 16) is Family.DECODE
     assert picked(qwen, 24) is Family.GLUON_SM90 and picked(qwen, 64) is Family.GLUON_SM90
+    # Streamed weights: Mixtral's full experts at M = 1 (2 x 4096 x 14336) go Gluon, Qwen3-235B's (8 x 4096 x 1536)
+    # and Qwen3-30B's (8 x 2048 x 768) stay here.
+    mixtral_full, qwen3_235b = stack(8, 4096, 14336), stack(128, 4096, 1536)
+    assert picked(mixtral_full, 2) is Family.GLUON_SM90 and picked(mixtral_full, 1) is Family.DECODE
+    assert picked(qwen3_235b, 8) is Family.DECODE and picked(stack(128, 2048, 768), 8) is Family.DECODE
     monkeypatch.setenv(PORTABLE_ENV, "1")
     assert picked(dsv3, 8) is Family.DECODE and picked(mixtral, 8) is Family.DECODE
 
