@@ -9,7 +9,10 @@ under ``--zeros``): one routing and alignment (blocks of the
 tokens (relative error <= 1e-3) and then timed as a CUDA graph (median), with its launches profiled
 (benchmarks/launch_profile.py). Variants: ``base`` = gluon_sm90.launch with the same tile; ``ws-P-S`` = the
 warp-specialized kernels with P programs per SM and S ring stages (register cap: 64 per thread for 4 programs of
-8 warps' allocation per SM, 128 for 2, 80 for 3). Writes DIR/probe_gluon_ws.json and prints one line per cell.
+8 warps' allocation per SM, 128 for 2, 80 for 3); ``-sa`` after it scales each K step's sum in fp16 too
+(gluon_sm90.SCALE_AFTER_FP16_PERSISTENT) and ``-rN`` gives the producer warpgroup N registers
+(gluon_ws_sm90.PRODUCER_REGS): ``ws-4-4-sa-r32`` is fp16's step sum at 4 programs per SM (KERNEL_NOTES.md item 27).
+Writes DIR/probe_gluon_ws.json and prints one line per cell.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -44,9 +48,15 @@ def run_variant(variant: str, x, stack, ids, w, rows, inter, target, tile: Gluon
                               num_warps=4, num_stages=3, gluon=tile, reduce=reduce)  # fmt: skip
         gluon_sm90.launch(x, stack, ids, w, rows, inter, target, config)
     else:
-        _, per_sm, stages = variant.split("-")
+        _, per_sm, stages, *options = variant.split("-")
         ws_tile = GluonTile(tile.block_m, tile.block_n, tile.group_m, int(stages), per_sm=int(per_sm))
-        gluon_ws_sm90.launch(x, stack, ids, w, rows, inter, target, ws_tile, reduce)
+        step_sum = "sa" in options or gluon_sm90.SCALE_AFTER_FP16_PERSISTENT
+        regs = next((int(o[1:]) for o in options if o.startswith("r")), gluon_ws_sm90.PRODUCER_REGS)
+        with (
+            mock.patch.object(gluon_sm90, "SCALE_AFTER_FP16_PERSISTENT", step_sum),
+            mock.patch.object(gluon_ws_sm90, "PRODUCER_REGS", regs),
+        ):
+            gluon_ws_sm90.launch(x, stack, ids, w, rows, inter, target, ws_tile, reduce)
 
 
 def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile, dtype: torch.dtype) -> list[dict]:

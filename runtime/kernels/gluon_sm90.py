@@ -81,6 +81,10 @@ GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": these kernels for every aligned tenso
 # in-loop column gather (the comparison benchmarks/probe_glue.py measures).
 ACT_ORDER_GATHER = True
 SCALE_AFTER_MAX_BLOCK_M = 32  # bf16 token tiles up to this scale each K step's sum (scale_after); 0: never
+# fp16's persistent tiles scale each K step's sum too: 308 instead of 360 instructions per K step in the
+# warp-specialized consumer, which ncu found short of eligible warps (KERNEL_NOTES.md items 23, 27). Off until the
+# probe measures it; it fits at 4 programs per SM only beside a 32-register producer (persistent_fits).
+SCALE_AFTER_FP16_PERSISTENT = False
 
 
 def available() -> bool:
@@ -109,11 +113,18 @@ PERSISTENT_16 = GluonTile(16, 64, 1, 4, per_sm=4)
 
 def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> bool:
     """Whether the warp-specialized kernels run ``tile`` without spilling: at 4 programs per SM (64 registers a
-    thread) only symmetric fp16 stacks do; asymmetric zeros and bf16's step-scaled sum spill there
-    (tests/runtime/test_gluon_ws_compile_sm90.py compiles them at 80). Act-order stacks only with their rows
-    gathered first (:data:`ACT_ORDER_GATHER`): these kernels have no column gather."""
+    thread) symmetric fp16 stacks do; a step-scaled sum (:func:`scale_after`: bf16's, or fp16's on request) fits
+    there only beside a producer of 32 registers (gluon_ws_sm90.PRODUCER_REGS), asymmetric zeros not at all
+    (tests/runtime/test_gluon_ws_compile_sm90.py compiles each case this admits). Act-order stacks only with their
+    rows gathered first (:data:`ACT_ORDER_GATHER`): these kernels have no column gather."""
+    from repack.runtime.kernels import gluon_ws_sm90  # it imports this module
+
     gathered = weights.w13_perm is None or ACT_ORDER_GATHER
-    return gathered and (tile.per_sm != 4 or (weights.w13_zeros is None and dtype == torch.float16))
+    if tile.per_sm != 4:
+        return gathered
+    step_sum = scale_after(tile, dtype)
+    fits = gluon_ws_sm90.PRODUCER_REGS <= 32 if step_sum else dtype == torch.float16
+    return gathered and weights.w13_zeros is None and fits
 
 
 def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> GluonTile:
@@ -578,8 +589,9 @@ def scale_after(tile: GluonTile, dtype: torch.dtype) -> bool:
     element, for one more accumulator's registers: bf16 token tiles up to SCALE_AFTER_MAX_BLOCK_M, where it takes
     five of the seven instructions per two weights away (M = 16..256 11-18% faster on the H200, and exact); in fp16
     it saves one of three and measured within +-5% either way, so fp16 keeps the scale in the dequantization
-    (benchmarks/KERNEL_NOTES.md item 20)."""
-    return dtype == torch.bfloat16 and tile.block_m <= SCALE_AFTER_MAX_BLOCK_M
+    (benchmarks/KERNEL_NOTES.md item 20), unless :data:`SCALE_AFTER_FP16_PERSISTENT` asks it of the persistent tiles."""
+    scaled = dtype == torch.bfloat16 or (SCALE_AFTER_FP16_PERSISTENT and tile.per_sm > 0)
+    return scaled and tile.block_m <= SCALE_AFTER_MAX_BLOCK_M
 
 
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,

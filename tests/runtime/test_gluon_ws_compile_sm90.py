@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from repack.runtime.kernel_config import PERSISTENT_REGISTERS, GluonTile
+from repack.runtime.kernels.gluon_ws_sm90 import PRODUCER_REGS
 from repack.runtime.tune import GLUON_TILES
 from tests.runtime.test_gluon_compile_sm90 import loop_waits
 from tests.support.sm90 import SM90_SHARED_LIMIT, ptxas_spills
@@ -33,6 +34,7 @@ from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90 as ws
 from repack.runtime.kernel_config import PERSISTENT_REGISTERS
 
 tile, act, asym = GluonTile(*json.loads(sys.argv[1])), sys.argv[2], sys.argv[3] == "1"
+producer_regs, step_sum = int(sys.argv[4]), sys.argv[5] == "1"
 maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32)))
@@ -41,8 +43,8 @@ types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, scales_ptr="*fp
 report = {}
 for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m, BLOCK_N=64,
-                  GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=ws.PRODUCER_REGS,
-                  SCALE_AFTER=gluon_sm90.scale_after(tile, getattr(torch, act)))
+                  GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=producer_regs,
+                  SCALE_AFTER=step_sum)
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 writes rows per pair (heuristic_reduce)
     atomic = act == "float16"
     consts.update(dict(ZERO_OUT=atomic) if name == "w13" else dict(ATOMIC=atomic, STREAM_K=atomic))
@@ -57,25 +59,38 @@ print(json.dumps(report))
 """
 
 
-def _cases() -> list[tuple[GluonTile, str, bool]]:
-    """Every warp-specialized tile `repack tune` may pick (the heuristic's among them) and the probe's other ring
-    depths and register caps (benchmarks/probe_gluon_ws.py) in fp16; bf16 and asymmetric zeros at 80 registers,
-    where gluon_sm90.persistent_fits sends them (at 64, w13 spills)."""
+def _cases() -> list[tuple[GluonTile, str, bool, int, bool]]:
+    """(tile, activations, zero points, producer registers, step-scaled sum): every warp-specialized tile `repack
+    tune` may pick (the heuristic's among them) and the probe's other ring depths and register caps
+    (benchmarks/probe_gluon_ws.py) in fp16; bf16 and asymmetric zeros at 80 registers, where
+    gluon_sm90.persistent_fits sends them beside the shipped producer (at 64, w13 spills); and what it admits at 64
+    beside a 32-register producer: bf16's step-scaled sum, and fp16's (gluon_sm90.SCALE_AFTER_FP16_PERSISTENT),
+    which otherwise runs at 80."""
     shipped = [t for t in GLUON_TILES if t.per_sm]
     probed = [GluonTile(16, 64, 1, 6, per_sm=3), GluonTile(16, 64, 1, 8, per_sm=2)]
-    wide = GluonTile(16, 64, 1, 4, per_sm=3)
-    return [(t, "float16", False) for t in shipped + probed] + [(wide, "bfloat16", False), (wide, "float16", True)]
+    wide, lean = GluonTile(16, 64, 1, 4, per_sm=3), GluonTile(16, 64, 1, 4, per_sm=4)
+    regs = PRODUCER_REGS
+    return [(t, "float16", False, regs, False) for t in shipped + probed] + [
+        (wide, "bfloat16", False, regs, True),
+        (wide, "float16", True, regs, False),
+        (wide, "float16", False, regs, True),
+        (lean, "bfloat16", False, 32, True),
+        (lean, "float16", False, 32, True),
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("tile", "act", "asym"), _cases(), ids=lambda v: str(v.to_list()) if isinstance(v, GluonTile) else str(v)
+    ("tile", "act", "asym", "producer_regs", "step_sum"),
+    _cases(),
+    ids=lambda v: str(v.to_list()) if isinstance(v, GluonTile) else str(v),
 )
-def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym):
+def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_regs, step_sum):
     env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
     maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
+    flags = ["1" if asym else "0", str(producer_regs), "1" if step_sum else "0"]
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(tile.to_list()), act, "1" if asym else "0"],
+        [sys.executable, "-c", _CHILD, json.dumps(tile.to_list()), act, *flags],
         capture_output=True,
         text=True,
         env=env,
@@ -83,12 +98,13 @@ def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, kernel in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-        where = f"{name} {tile} {act}{' asym' if asym else ''} maxnreg={maxnreg}"
+        where = f"{name} {tile} {act}{' asym' if asym else ''} maxnreg={maxnreg} producer={producer_regs}"
         ptx = kernel["ptx"]
         assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
         assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
-        # The partitions' register split (the producer's warpgroup at gluon_ws_sm90.PRODUCER_REGS) is applied.
-        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+40;", ptx), f"{where}: no producer register split"
+        # The partitions' register split (the producer's warpgroup at its registers) is applied.
+        split = rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{producer_regs};"
+        assert re.search(split, ptx), f"{where}: no producer register split"
         assert "setmaxnreg.dec" in ptx, f"{where}: no warpgroup gives registers back"
         assert "cp.async.bulk.tensor" in ptx, f"{where}: the words do not come by TMA"
         assert "cp.async.mbarrier.arrive" in ptx, f"{where}: the activations' copies do not complete the stage"

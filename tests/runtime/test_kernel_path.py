@@ -285,3 +285,29 @@ def test_few_rows_per_expert_take_the_persistent_kernels_where_they_fit(sm90, mo
     monkeypatch.setenv(WS_ENV, "0")
     assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == plain
     assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == plain
+
+
+def test_a_step_scaled_sum_runs_at_four_programs_per_sm_only_beside_a_lean_producer(sm90, monkeypatch):
+    """gluon_sm90.persistent_fits, as tests/runtime/test_gluon_ws_compile_sm90.py compiles it: bf16's step-scaled sum,
+    and fp16's when SCALE_AFTER_FP16_PERSISTENT asks it of the persistent tiles, spill at 64 registers beside a
+    40-register producer and fit beside a 32-register one; asymmetric zeros stay at 3 programs either way, and the
+    one-program-per-tile kernels keep fp16's scale in the dequantization."""
+    from repack.runtime.kernels import gluon_ws_sm90
+
+    sym = zero_stack()
+    asym = MoeWeights(**{**sym.__dict__, "w13_zeros": torch.zeros(2, 2, 256, dtype=torch.uint8),
+                         "w2_zeros": torch.zeros(2, 1, 256, dtype=torch.uint8)})  # fmt: skip
+    four = gluon_sm90.PERSISTENT_16
+
+    def per_sm(stack, dtype) -> int:
+        return gluon_sm90.fitted_tile(four, stack, dtype).per_sm
+
+    monkeypatch.setattr(gluon_ws_sm90, "PRODUCER_REGS", 40)
+    assert (per_sm(sym, FP16), per_sm(sym, BF16), per_sm(asym, FP16)) == (4, 3, 3)
+    monkeypatch.setattr(gluon_sm90, "SCALE_AFTER_FP16_PERSISTENT", True)
+    assert gluon_sm90.scale_after(four, FP16) and not gluon_sm90.scale_after(GluonTile(16, 64, 1), FP16)
+    assert per_sm(sym, FP16) == 3
+    monkeypatch.setattr(gluon_ws_sm90, "PRODUCER_REGS", 32)
+    assert (per_sm(sym, FP16), per_sm(sym, BF16), per_sm(asym, FP16), per_sm(asym, BF16)) == (4, 4, 3, 3)
+    monkeypatch.setattr(gluon_sm90, "SCALE_AFTER_FP16_PERSISTENT", False)
+    assert not gluon_sm90.scale_after(four, FP16) and per_sm(sym, FP16) == 4
