@@ -113,9 +113,10 @@ PERSISTENT_16 = GluonTile(16, 64, 1, 4, per_sm=4)
 
 def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> bool:
     """Whether the warp-specialized kernels run ``tile`` without spilling: at 4 programs per SM (64 registers a
-    thread) symmetric fp16 stacks do; a step-scaled sum (:func:`scale_after`: bf16's, or fp16's on request) fits
-    there only beside a producer of 32 registers (gluon_ws_sm90.PRODUCER_REGS), asymmetric zeros not at all
-    (tests/runtime/test_gluon_ws_compile_sm90.py compiles each case this admits). Act-order stacks only with their
+    thread) symmetric stacks do, in fp16 and in bf16; a step-scaled sum (:func:`scale_after`: bf16's, or fp16's on
+    request) fits there only beside a producer of 32 registers (gluon_ws_sm90.PRODUCER_REGS, 36 spilled loads and
+    stores beside 40), asymmetric zeros not at all (tests/runtime/test_gluon_ws_compile_sm90.py compiles each case
+    this admits). Act-order stacks only with their
     rows gathered first (:data:`ACT_ORDER_GATHER`): these kernels have no column gather."""
     from repack.runtime.kernels import gluon_ws_sm90  # it imports this module
 
@@ -128,9 +129,9 @@ def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) ->
 
 
 def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> GluonTile:
-    """``tile`` as it runs: at 4 programs per SM where that fits, else at 3 (bf16, asymmetric zeros: 80 registers;
-    bf16 on the H200, Qwen2-57B and Mixtral at M = 4 and 16: 17-28% faster than one program per tile,
-    KERNEL_NOTES.md item 26), else one program per tile (this module's kernels), which $WS_ENV = "0" forces."""
+    """``tile`` as it runs: at 4 programs per SM where that fits, else at 3 (asymmetric zeros: 80 registers; 3
+    programs with zeros on the H200, Qwen2-57B M = 4: 156 against 164 us for one program per tile, KERNEL_NOTES.md
+    item 26), else one program per tile (this module's kernels), which $WS_ENV = "0" forces."""
     if not tile.per_sm:
         return tile
     if os.environ.get(WS_ENV, "") == "0":

@@ -81,7 +81,11 @@ W_TMA_LAYOUT = (
 # persistent w2 lost at Qwen3-30B's K = 768 (6 steps a tile: +13-15%) and won at Mixtral's 14336 (M = 4-16, -8% and
 # -15%), about even at Qwen2-57B's 2560 (benchmarks/RESULTS.md 2026-12-05 10:30 UTC, KERNEL_NOTES.md item 25).
 W2_PERSISTENT_MIN_K = 2048
-PRODUCER_REGS = 40  # registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg
+# Registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg. 32, not 40: the
+# producer needs no more (24 spills it), and what it leaves lets a step-scaled sum (bf16's) run at 4 programs per SM
+# without spilling (gluon_sm90.persistent_fits): bf16 on the H100, Mixtral M = 16 285 against 316 us at 3 programs,
+# Qwen2-57B M = 4 151 against 159; fp16's code and time unchanged (KERNEL_NOTES.md item 27).
+PRODUCER_REGS = 32
 # w2 (where its sum is added into the target, reduce "out"/"atomic") splits the flattened (tile, K step) work into one
 # equal range per program (stream-K) instead of dealing whole tiles round-robin: a few live tiles of long K (Mixtral
 # at M = 1-4: 128-352 tiles of 112 steps for 528 programs) left most programs idle, a partial last wave cost up to a

@@ -259,7 +259,7 @@ def test_decode_leaves_few_pairs_to_gluon_where_gluon_streams_them_faster(sm90, 
 
 def test_few_rows_per_expert_take_the_persistent_kernels_where_they_fit(sm90, monkeypatch):
     """Up to 8 rows per expert the heuristic's tile is the warp-specialized one (gluon_sm90.PERSISTENT_16); it runs
-    at 4 programs per SM on symmetric fp16 stacks, at 3 with bf16 or asymmetric zeros (at 64 registers they spill),
+    at 4 programs per SM on symmetric stacks (fp16 and bf16), at 3 with asymmetric zeros (at 64 registers they spill),
     and $REPACK_GLUON_WS=0 (or act-order rows not gathered) turns it off for gluon_sm90's one program per tile of the
     same shape."""
     from repack.runtime.kernels.gluon_sm90 import WS_ENV
@@ -271,8 +271,8 @@ def test_few_rows_per_expert_take_the_persistent_kernels_where_they_fit(sm90, mo
     assert gluon_sm90.heuristic_tile(16, 2) == gluon_sm90.PERSISTENT_16 == GluonTile(16, 64, 1, per_sm=4)
     assert gluon_sm90.heuristic_tile(32, 2) == GluonTile(32, 64, 4)  # more rows: one program per tile
     assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == gluon_sm90.PERSISTENT_16
-    three = GluonTile(16, 64, 1, per_sm=3)  # 80 registers: bf16 and zeros fit
-    assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, BF16, 16)[1].gluon == three
+    three = GluonTile(16, 64, 1, per_sm=3)  # 80 registers: zeros fit
+    assert choose_family(sym, KernelConfig.from_dict(GLUON), CPU, BF16, 16)[1].gluon == gluon_sm90.PERSISTENT_16
     assert choose_family(asym, KernelConfig.from_dict(GLUON), CPU, FP16, 16)[1].gluon == three
     wide = dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 3])
     assert choose_family(asym, KernelConfig.from_dict(wide), CPU, BF16, 16)[1].gluon == three
