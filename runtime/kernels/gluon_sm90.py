@@ -82,8 +82,9 @@ GLUON_ENV = "REPACK_GLUON_KERNELS"  # "1": these kernels for every aligned tenso
 ACT_ORDER_GATHER = True
 SCALE_AFTER_MAX_BLOCK_M = 32  # bf16 token tiles up to this scale each K step's sum (scale_after); 0: never
 # fp16's persistent tiles scale each K step's sum too: 308 instead of 360 instructions per K step in the
-# warp-specialized consumer, which ncu found short of eligible warps (KERNEL_NOTES.md items 23, 27). Off until the
-# probe measures it; it fits at 4 programs per SM only beside a 32-register producer (persistent_fits).
+# warp-specialized consumer. Measured no faster (H100: Mixtral M = 16 299.7 against 288.1 us, Qwen3-235B 318.4
+# against 316.5; the consumer waits on latency, not issue: KERNEL_NOTES.md items 23, 27), so off; probe_gluon_ws's
+# "-sa" variants switch it on.
 SCALE_AFTER_FP16_PERSISTENT = False
 
 
@@ -116,8 +117,8 @@ def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) ->
     thread) symmetric stacks do, in fp16 and in bf16; a step-scaled sum (:func:`scale_after`: bf16's, or fp16's on
     request) fits there only beside a producer of 32 registers (gluon_ws_sm90.PRODUCER_REGS, 36 spilled loads and
     stores beside 40), asymmetric zeros not at all (tests/runtime/test_gluon_ws_compile_sm90.py compiles each case
-    this admits). Act-order stacks only with their
-    rows gathered first (:data:`ACT_ORDER_GATHER`): these kernels have no column gather."""
+    this admits). Act-order stacks only with their rows gathered first (:data:`ACT_ORDER_GATHER`): these kernels
+    have no column gather."""
     from repack.runtime.kernels import gluon_ws_sm90  # it imports this module
 
     gathered = weights.w13_perm is None or ACT_ORDER_GATHER
