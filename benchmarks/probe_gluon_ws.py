@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import time
@@ -70,10 +71,15 @@ def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile, dt
     n = min(m, 16)
     ref = reference_moe(case, x[:n], stacks[0], ids[:n], w[:n])
     rows_out = []
+
+    def calls(variant: str) -> None:  # one call on every weight copy
+        for stack in stacks:
+            run_variant(variant, x, stack, ids, w, rows, inter, target, tile)
+
     # The first graph timed in a cell read 10-40 us slow (the H100, 2026-12-06: one variant listed first and third
     # measured 368 and 319 us), so a throwaway timing of the first variant's graph precedes them.
     with contextlib.suppress(Exception):  # a broken variant reports itself below
-        time_graph(lambda: [run_variant(variants[0], x, s, ids, w, rows, inter, target, tile) for s in stacks], 5)
+        time_graph(functools.partial(calls, variants[0]), 5)
     for variant in variants:
         row = dict(
             model=case.name,
@@ -86,17 +92,13 @@ def measure(case, m: int, stacks: list, variants: list[str], tile: GluonTile, dt
         def step(i: int, variant: str = variant) -> None:
             run_variant(variant, x, stacks[i], ids, w, rows, inter, target, tile)
 
-        def calls(variant: str = variant) -> None:
-            for i in range(len(stacks)):
-                step(i, variant)
-
         try:
             target.fill_(float("nan"))
             step(0)
             torch.cuda.synchronize()
             out = target.view(m, -1, case.hidden).float().sum(1) if pairs else target  # bf16: rows per pair
             row["err"] = rel_err(out[:n], ref)
-            row["us"] = time_graph(calls, 20) / len(stacks)
+            row["us"] = time_graph(functools.partial(calls, variant), 20) / len(stacks)
             row["launches"] = profile_graph(step, len(stacks))
             log(f"{case.name:12s} M={m:4d} {variant:8s} {row['us']:8.1f} us err {row['err']:.1e} | "
                 f"{breakdown(row['launches'])}")  # fmt: skip
