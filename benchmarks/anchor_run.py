@@ -14,7 +14,11 @@ makes the two changes without editing it, so every checkout measures the same wa
   (``project:REPACK_GLUON_WS=0``: without the warp-specialized kernels) or module constants
   (``project:decode.GLUON_DECODE_HIDDEN=3584``), timed beside the others;
 - every timed variant, Marlin's too, is profiled over the same CUDA graph (benchmarks/launch_profile.py), one row
-  per launch, which ``anchor_report.py --launches`` tabulates.
+  per launch, which ``anchor_report.py --launches`` tabulates;
+- ``ANCHOR_ROUTING_SKEW=s`` (default 0: the harness's uniform routing) adds ``s * b[e]`` to every token's router
+  logits, ``b`` one fixed standard-normal draw per expert: served models route unevenly (a few experts take many of
+  a step's tokens), and a kernel tuned on uniform routing can lose there (KERNEL_NOTES.md item 28). The reference
+  routing, the floor's experts-touched count and every variant see the same skewed logits.
 
 The harness's parallel compile warm-up starts copies of itself; they run this script instead (same arguments), so
 they compile the kernels the timed process runs. ``ANCHOR_HARNESS`` points elsewhere than
@@ -67,9 +71,28 @@ def with_environment(step, settings: dict[str, str]):
     return run
 
 
+def skew_routing(harness: ModuleType, skew: float) -> None:
+    """Router logits of every cell skewed by ``skew`` times a fixed per-expert draw. The harness draws a cell's logits
+    and hands them first to its reference routing: that call adds the bias in place, so the reference, the floor and
+    every variant's routing read the same tensor."""
+    ref_route = harness.ref_route
+
+    def skewed_ref_route(logits, m):
+        import torch  # the harness imports it in its setup(), after this patch
+
+        experts = getattr(m, "E", None)  # the harness's own smoke check routes a SimpleNamespace: left as drawn
+        if experts is not None and skew:
+            bias = torch.randn(experts, generator=torch.Generator().manual_seed(experts))
+            logits.add_((skew * bias).to(logits.device, logits.dtype))
+        return ref_route(logits, m)
+
+    harness.ref_route = skewed_ref_route
+
+
 def adapt(harness: ModuleType) -> None:
     """Patch the harness in place: the project variant through routed_moe, every timing with its launches."""
     make_variants, time_graph = harness.make_variants, harness.time_graph
+    skew_routing(harness, float(os.environ.get("ANCHOR_ROUTING_SKEW", "0")))
 
     def routed_variants(m, W, logits, xs, dtype, device, which):
         variants = make_variants(m, W, logits, xs, dtype, device, which)

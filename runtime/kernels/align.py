@@ -23,6 +23,10 @@ The order of the pairs inside a segment is the order the atomics land in: not fi
 in Triton's interpreter. No result depends on it: every GEMM row is its pair's own dot products, and the top-k
 sum reads the rows back by pair index.
 
+Up to MAX_CHUNK pairs in all and LAST_COUNT_PLACES_MAX_EXPERTS experts, the count programs take a ticket when done
+(one atomic each) and the last to take one does step 2 for every chunk: no scatter launch. The ticket is one
+counter per device that the last program sets back to zero.
+
 Up to MAX_CHUNK pairs one program (``_one_program_kernel``) does it all with the counts and segment starts in
 registers: one barrier and one atomic per pair after the ids are known; given router logits it routes the tokens
 first, all of them in one step, for calls of up to ONE_PROGRAM_TOKENS tokens and ONE_PROGRAM_LOGITS logits (16
@@ -58,6 +62,11 @@ SCAN_IN_SCATTER = True  # the scatter programs scan the counts themselves where 
 # programs, each half as long on the critical path, and the scatter still scans a small tile (H200, KERNEL_NOTES.md
 # item 22: Qwen3-30B M = 64 count 3.4 -> 2.7 us, M = 256 3.5 -> 2.7; at 128 chunks the scan cost more than it saved).
 HALF_STEP_MAX_CHUNKS = 32
+# The last count program places every pair (no scatter launch) up to MAX_CHUNK pairs and this many experts. The
+# ticket's release and the serial tail in one program cost about what the launch saved: on the H100 Qwen1.5-MoE
+# M = 64 glue 4.6 against 6.4 us, Qwen2-57B 5.4 against 5.6, but 128 experts 6.9 against 6.4 and DeepSeek-V3 M = 16
+# 7.8 against 6.4 (KERNEL_NOTES.md item 28).
+LAST_COUNT_PLACES_MAX_EXPERTS = 64
 
 
 @dataclass
@@ -89,6 +98,17 @@ def _chunk_ids(ids_ptr, first_pair, end_pair, PAIRS: tl.constexpr):
     """(pair indices [PAIRS] from ``first_pair``, their expert ids, -1 from ``end_pair`` on)."""
     pairs = first_pair + tl.arange(0, PAIRS)
     return pairs, tl.load(ids_ptr + pairs, mask=pairs < end_pair, other=-1)
+
+
+@triton.jit
+def _cursors(counts_ptr, chunk, chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TILE_C: tl.constexpr):
+    """(the first slot of chunk ``chunk``'s pairs of every expert, the rows used) from the [chunks <= TILE_C, E]
+    counts. Read past L1 (``.cg``): other programs stored them, and this program may hold stale lines."""
+    experts = tl.arange(0, BLOCK_E)
+    rows = tl.arange(0, TILE_C)[:, None]
+    tile = tl.load(counts_ptr + rows * BLOCK_E + experts[None, :], mask=rows < chunks, other=0, cache_modifier=".cg")
+    starts, used = _segment_starts(tl.sum(tile, axis=0), BLOCK_M)
+    return starts + tl.sum(tl.where(rows < chunk, tile, 0), axis=0), used
 
 
 @triton.jit
@@ -125,12 +145,16 @@ def _place(pairs, ids, placed, cursors_ptr, sorted_pairs_ptr, block_experts_ptr,
 
 @triton.jit
 def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, num_tokens, num_experts,
-                  total_rows, stride_logits, ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr,
-                  FILL: tl.constexpr):  # fmt: skip
+                  total_rows, stride_logits, ticket_ptr, cursors_ptr, block_experts_ptr, num_blocks_ptr, max_blocks,
+                  ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr, FILL: tl.constexpr,
+                  PLACE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_C: tl.constexpr,
+                  ALL_PAIRS: tl.constexpr):  # fmt: skip
     """Step 1: with ROUTE, this chunk's BLOCK_T tokens routed (CHUNK = BLOCK_T * TOP_K pairs); the chunk's pairs
-    per expert (ids outside [0, E) are not counted); its share of the sentinel."""
+    per expert (ids outside [0, E) are not counted); its share of the sentinel. With PLACE, then a ticket: the
+    program that takes the last one does step 2 for every chunk (all ALL_PAIRS pairs as one chunk)."""
     chunk = tl.program_id(0)
+    chunks = tl.num_programs(0)
     num_pairs = num_tokens * TOP_K
     if ROUTE:
         _, ids, placed = route_tokens(logits_ptr, weights_ptr, ids_ptr, chunk * BLOCK_T, num_tokens, num_experts,
@@ -139,8 +163,21 @@ def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr
         _, ids = _chunk_ids(ids_ptr, chunk * CHUNK, tl.minimum(num_pairs, (chunk + 1) * CHUNK), PAIRS)
         placed = (ids >= 0) & (ids < num_experts)
     tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), _counts(ids, placed, BLOCK_E))
-    span = tl.cdiv(tl.cdiv(total_rows, tl.num_programs(0)), FILL) * FILL
+    span = tl.cdiv(tl.cdiv(total_rows, chunks), FILL) * FILL
     _fill(sorted_pairs_ptr, chunk * span, tl.minimum(total_rows, (chunk + 1) * span), num_pairs, FILL)
+    if PLACE:
+        tl.debug_barrier()  # every thread's ids, counts and sentinel stored before the ticket releases them
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == chunks - 1:
+            tl.store(ticket_ptr, 0)  # every program has taken its ticket: ready for the next call
+            starts, used = _cursors(counts_ptr, 0, chunks, BLOCK_M, BLOCK_E, TILE_C)
+            tl.store(cursors_ptr + tl.arange(0, BLOCK_E), starts)
+            tl.store(num_blocks_ptr, used // BLOCK_M)
+            _fill(block_experts_ptr, used // BLOCK_M, max_blocks, -1, FILL)
+            tl.debug_barrier()  # the cursors stored before any thread's atomic reads them
+            pairs = tl.arange(0, ALL_PAIRS)
+            every = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1, cache_modifier=".cg")
+            _place(pairs, every, (every >= 0) & (every < num_experts), cursors_ptr, sorted_pairs_ptr,
+                   block_experts_ptr, BLOCK_M)  # fmt: skip
 
 
 @triton.jit
@@ -177,11 +214,8 @@ def _scatter_kernel(ids_ptr, counts_ptr, cursors_ptr, sorted_pairs_ptr, block_ex
     chunk = tl.program_id(0)
     cursors_ptr += chunk * BLOCK_E
     if SCAN:
-        experts = tl.arange(0, BLOCK_E)
-        rows = tl.arange(0, TILE_C)[:, None]
-        tile = tl.load(counts_ptr + rows * BLOCK_E + experts[None, :], mask=rows < chunks, other=0)
-        starts, used = _segment_starts(tl.sum(tile, axis=0), BLOCK_M)
-        tl.store(cursors_ptr + experts, starts + tl.sum(tl.where(rows < chunk, tile, 0), axis=0))
+        starts, used = _cursors(counts_ptr, chunk, chunks, BLOCK_M, BLOCK_E, TILE_C)
+        tl.store(cursors_ptr + tl.arange(0, BLOCK_E), starts)
         if chunk == 0:
             tl.store(num_blocks_ptr, used // BLOCK_M)
             _fill(block_experts_ptr, used // BLOCK_M, max_blocks, -1, FILL)
@@ -222,6 +256,18 @@ def _one_program_kernel(logits_ptr, weights_ptr, ids_ptr, cursors_ptr, sorted_pa
 def one_program_tokens(num_experts: int, top_k: int) -> int:
     """The most tokens the one program routes and aligns (ONE_PROGRAM_TOKENS, ONE_PROGRAM_LOGITS, MAX_CHUNK)."""
     return min(ONE_PROGRAM_TOKENS, ONE_PROGRAM_LOGITS // triton.next_power_of_2(num_experts), MAX_CHUNK // top_k)
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _ticket(device: torch.device) -> torch.Tensor:
+    """The count programs' ticket counter of ``device`` (int32, zero between calls). One per device: MoE calls on a
+    device run one after another, as vLLM, transformers and the benchmarks make them (a graph replays on one
+    stream). Made by the device's first such call: vLLM, the tests and the benchmarks run one before capturing."""
+    if device not in _TICKETS:
+        _TICKETS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _TICKETS[device]
 
 
 def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> Alignment:
@@ -267,17 +313,21 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     scratch = torch.empty(2 * chunks * block_e + 1, dtype=torch.int32, device=device)
     counts, cursors, num_blocks = scratch[: chunks * block_e], scratch[chunks * block_e : -1], scratch[-1:]
     sizes = dict(BLOCK_E=block_e, CHUNK=chunk_pairs, PAIRS=triton.next_power_of_2(chunk_pairs), FILL=1024)
-    _count_kernel[(chunks,)](
-        logits, weights, ids_flat, counts, sorted_pairs, num_tokens, num_experts, total_rows, stride_logits,
-        BLOCK_T=block_t, num_warps=route_warps(block_t * block_e, aligned) if route["ROUTE"] else 4,
-        **dict(route, **sizes),
-    )  # fmt: skip
     scan_here = SCAN_IN_SCATTER and chunks * block_e <= SCAN_TILE
     tile_c = (
         triton.next_power_of_2(chunks)
         if scan_here
         else max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
     )
+    place = num_experts <= LAST_COUNT_PLACES_MAX_EXPERTS and scan_here and num_pairs <= MAX_CHUNK
+    _count_kernel[(chunks,)](
+        logits, weights, ids_flat, counts, sorted_pairs, num_tokens, num_experts, total_rows, stride_logits,
+        _ticket(device) if place else num_blocks, cursors, block_experts, num_blocks, max_blocks, BLOCK_T=block_t,
+        PLACE=place, BLOCK_M=block_m, TILE_C=tile_c, ALL_PAIRS=max(16, triton.next_power_of_2(num_pairs)),
+        num_warps=route_warps(block_t * block_e, aligned) if route["ROUTE"] else 4, **dict(route, **sizes),
+    )  # fmt: skip
+    if place:
+        return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
     if not scan_here:
         # Four warps: eight measured 1.9x slower at 32 chunks (5.5 against 2.9 us, KERNEL_NOTES item 18).
         _scan_kernel[(1,)](

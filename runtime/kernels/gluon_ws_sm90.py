@@ -80,7 +80,9 @@ W_TMA_LAYOUT = (
 # w2 runs here from this K (the intermediate size) up, else as gluon_sm90's one program per tile: on the H200 the
 # persistent w2 lost at Qwen3-30B's K = 768 (6 steps a tile: +13-15%) and won at Mixtral's 14336 (M = 4-16, -8% and
 # -15%), about even at Qwen2-57B's 2560 (benchmarks/RESULTS.md 2026-12-05 10:30 UTC, KERNEL_NOTES.md item 25).
-W2_PERSISTENT_MIN_K = 2048
+# 1024 since w2 runs stream-K: on the H100 K = 1408-1536 gained 2-7 us a call at M = 4-64 (Qwen3-235B, Qwen1.5-MoE,
+# DeepSeek-V2-Lite; only DeepSeek-V2-Lite M = 4 lost 1 us), K = 768 still lost at M = 64 (KERNEL_NOTES.md item 28).
+W2_PERSISTENT_MIN_K = 1024
 # Registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg. 32, not 40: the
 # producer needs no more (24 spills it), and what it leaves lets a step-scaled sum (bf16's) run at 4 programs per SM
 # without spilling (gluon_sm90.persistent_fits): bf16 on the H100, Mixtral M = 16 285 against 316 us at 3 programs,

@@ -48,14 +48,25 @@ def _worker() -> None:
         scan = dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=tile_c, FILL=1024)
         aligned = experts % 8 == 0  # fp16 rows of 16 bytes
         warps = {t: routing.route_warps(t * block_e, aligned) for t in (one_t, step["BLOCK_T"], half_t)}
+        no_place = dict(PLACE=False, BLOCK_M=16, TILE_C=1, ALL_PAIRS=16)
+        place = dict(PLACE=True, BLOCK_M=16, TILE_C=align.SCAN_TILE // block_e, ALL_PAIRS=align.MAX_CHUNK)
         kernels = {  # name: kernel, constexprs, warps (as align._align launches them)
             "one_program": (align._one_program_kernel, dict(one, ROUTE=False, BLOCK_T=1), 8),
             "one_program routed": (align._one_program_kernel, dict(one, ROUTE=True, BLOCK_T=one_t), warps[one_t]),
-            "count": (align._count_kernel, dict(route, **chunk, ROUTE=False, BLOCK_T=1), 4),
-            "count routed": (align._count_kernel, dict(step, **routed_chunk, ROUTE=True), warps[step["BLOCK_T"]]),
+            "count": (align._count_kernel, dict(route, **chunk, **no_place, ROUTE=False, BLOCK_T=1), 4),
+            "count routed": (
+                align._count_kernel,
+                dict(step, **routed_chunk, **no_place, ROUTE=True),
+                warps[step["BLOCK_T"]],
+            ),
             "count routed half": (
                 align._count_kernel,
-                dict(step, **half_chunk, ROUTE=True, BLOCK_T=half_t),
+                dict(step, **half_chunk, **no_place, ROUTE=True, BLOCK_T=half_t),
+                warps[half_t],
+            ),
+            "count routed placing": (  # the last program places every pair (align.LAST_COUNT_PLACES_MAX_EXPERTS)
+                align._count_kernel,
+                dict(step, **half_chunk, **place, ROUTE=True, BLOCK_T=half_t),
                 warps[half_t],
             ),
             "scan": (align._scan_kernel, scan, 4),
@@ -81,7 +92,7 @@ def test_glue_kernels_compile_for_sm90():
     from tests.support.sm90 import SM90_SHARED_LIMIT, run_compile_worker
 
     results = run_compile_worker(__file__, timeout=600)
-    assert len(results) == 9 * len(EXPERTS) + 2
+    assert len(results) == 10 * len(EXPERTS) + 2
     assert all(r["shared"] <= SM90_SHARED_LIMIT for r in results), results
     # The scan spills a little at four warps as measured (eight warps made it 1.9x slower: KERNEL_NOTES item 18);
     # the cap catches a regression, zero holds for everything else (the bitonic routing included).
