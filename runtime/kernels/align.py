@@ -20,12 +20,14 @@ one program's pairs the work is cut into chunks, one program each, O(pairs + E) 
    inside its chunk), and the pair that lands on a block's first row writes that block's expert.
 
 The order of the pairs inside a segment is the order the atomics land in: not fixed on a GPU, the pair order
-in Triton's interpreter. No result depends on it: every GEMM row is its pair's own dot products, and the top-k
-sum reads the rows back by pair index.
+in Triton's interpreter (and everywhere where the last count program places, below). No result depends on it:
+every GEMM row is its pair's own dot products, and the top-k sum reads the rows back by pair index.
 
 Up to MAX_CHUNK pairs in all and LAST_COUNT_PLACES_MAX_EXPERTS experts, the count programs take a ticket when done
-(one atomic each) and the last to take one does step 2 for every chunk: no scatter launch. The ticket is one
-counter per device that the last program sets back to zero.
+(one atomic each) and the last to take one places every pair: no scatter launch. It sorts the ids by (expert, pair)
+in registers and puts each pair at its sorted position plus the padding before its expert's segment, so no cursor
+round trip either, and the order inside a segment is the pair order. The ticket is one counter per device that the
+last program sets back to zero.
 
 Up to MAX_CHUNK pairs one program (``_one_program_kernel``) does it all with the counts and segment starts in
 registers: one barrier and one atomic per pair after the ids are known; given router logits it routes the tokens
@@ -144,15 +146,37 @@ def _place(pairs, ids, placed, cursors_ptr, sorted_pairs_ptr, block_experts_ptr,
 
 
 @triton.jit
+def _place_in_order(ids_ptr, num_pairs, num_experts, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, max_blocks,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, ALL_PAIRS: tl.constexpr,
+                    FILL: tl.constexpr):  # fmt: skip
+    """Every pair placed by this one program from the ids alone, in pair order inside each expert and without an
+    atomic: the ids sorted by (expert, pair), and the pair at sorted position j lands at j plus the padding of the
+    segments before its expert's. Reads the ids past L1 (``.cg``): other programs stored them."""
+    pairs = tl.arange(0, ALL_PAIRS)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1, cache_modifier=".cg")
+    placed = (ids >= 0) & (ids < num_experts)  # an id outside [0, E) has no segment: it is never placed
+    totals = _counts(ids, placed, BLOCK_E)
+    starts, used = _segment_starts(totals, BLOCK_M)
+    padding_before = starts - (tl.cumsum(totals, axis=0) - totals)
+    keys = tl.sort(tl.where(placed, ids, BLOCK_E) * ALL_PAIRS + pairs)  # the unplaced last
+    experts = keys // ALL_PAIRS
+    real = experts < BLOCK_E
+    slots = pairs + tl.gather(padding_before, tl.minimum(experts, BLOCK_E - 1), 0)
+    tl.store(sorted_pairs_ptr + slots, keys % ALL_PAIRS, mask=real)
+    tl.store(block_experts_ptr + slots // BLOCK_M, experts, mask=real & (slots % BLOCK_M == 0))
+    tl.store(num_blocks_ptr, used // BLOCK_M)
+    _fill(block_experts_ptr, used // BLOCK_M, max_blocks, -1, FILL)
+
+
+@triton.jit
 def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, num_tokens, num_experts,
-                  total_rows, stride_logits, ticket_ptr, cursors_ptr, block_experts_ptr, num_blocks_ptr, max_blocks,
+                  total_rows, stride_logits, ticket_ptr, block_experts_ptr, num_blocks_ptr, max_blocks,
                   ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr, FILL: tl.constexpr,
-                  PLACE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_C: tl.constexpr,
-                  ALL_PAIRS: tl.constexpr):  # fmt: skip
+                  PLACE: tl.constexpr, BLOCK_M: tl.constexpr, ALL_PAIRS: tl.constexpr):  # fmt: skip
     """Step 1: with ROUTE, this chunk's BLOCK_T tokens routed (CHUNK = BLOCK_T * TOP_K pairs); the chunk's pairs
     per expert (ids outside [0, E) are not counted); its share of the sentinel. With PLACE, then a ticket: the
-    program that takes the last one does step 2 for every chunk (all ALL_PAIRS pairs as one chunk)."""
+    program that takes the last one places every pair (:func:`_place_in_order`; the counts go unread)."""
     chunk = tl.program_id(0)
     chunks = tl.num_programs(0)
     num_pairs = num_tokens * TOP_K
@@ -166,18 +190,11 @@ def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr
     span = tl.cdiv(tl.cdiv(total_rows, chunks), FILL) * FILL
     _fill(sorted_pairs_ptr, chunk * span, tl.minimum(total_rows, (chunk + 1) * span), num_pairs, FILL)
     if PLACE:
-        tl.debug_barrier()  # every thread's ids, counts and sentinel stored before the ticket releases them
+        tl.debug_barrier()  # every thread's ids and sentinel stored before the ticket releases them
         if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == chunks - 1:
             tl.store(ticket_ptr, 0)  # every program has taken its ticket: ready for the next call
-            starts, used = _cursors(counts_ptr, 0, chunks, BLOCK_M, BLOCK_E, TILE_C)
-            tl.store(cursors_ptr + tl.arange(0, BLOCK_E), starts)
-            tl.store(num_blocks_ptr, used // BLOCK_M)
-            _fill(block_experts_ptr, used // BLOCK_M, max_blocks, -1, FILL)
-            tl.debug_barrier()  # the cursors stored before any thread's atomic reads them
-            pairs = tl.arange(0, ALL_PAIRS)
-            every = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1, cache_modifier=".cg")
-            _place(pairs, every, (every >= 0) & (every < num_experts), cursors_ptr, sorted_pairs_ptr,
-                   block_experts_ptr, BLOCK_M)  # fmt: skip
+            _place_in_order(ids_ptr, num_pairs, num_experts, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+                            max_blocks, BLOCK_M, BLOCK_E, ALL_PAIRS, FILL)  # fmt: skip
 
 
 @triton.jit
@@ -322,8 +339,8 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     place = num_experts <= LAST_COUNT_PLACES_MAX_EXPERTS and scan_here and num_pairs <= MAX_CHUNK
     _count_kernel[(chunks,)](
         logits, weights, ids_flat, counts, sorted_pairs, num_tokens, num_experts, total_rows, stride_logits,
-        _ticket(device) if place else num_blocks, cursors, block_experts, num_blocks, max_blocks, BLOCK_T=block_t,
-        PLACE=place, BLOCK_M=block_m, TILE_C=tile_c, ALL_PAIRS=max(16, triton.next_power_of_2(num_pairs)),
+        _ticket(device) if place else num_blocks, block_experts, num_blocks, max_blocks, BLOCK_T=block_t,
+        PLACE=place, BLOCK_M=block_m, ALL_PAIRS=max(16, triton.next_power_of_2(num_pairs)),
         num_warps=route_warps(block_t * block_e, aligned) if route["ROUTE"] else 4, **dict(route, **sizes),
     )  # fmt: skip
     if place:

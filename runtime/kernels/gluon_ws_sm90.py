@@ -93,6 +93,11 @@ PRODUCER_REGS = 32
 # at M = 1-4: 128-352 tiles of 112 steps for 528 programs) left most programs idle, a partial last wave cost up to a
 # tile's time elsewhere (KERNEL_NOTES.md item 26). A program's range ends mid-tile: its partial sum is added as is.
 W2_STREAM_K = True
+# A probe switch, not a format: the words re-laid tile-major once per stack (each [64 rows, one K step] box one
+# contiguous 4 KB run; the format's rows give 64 runs of 64 bytes at the row stride), to tell whether the weight
+# streaming loses to the layout (KERNEL_NOTES.md item 28). The copy lives on the words tensor: a probe's first,
+# eager call makes it. A format change follows only if it measures.
+TILE_MAJOR_WORDS = False
 STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [64, block_m] partial)
 _STREAM_K_MIN_STEPS = gl.constexpr(STREAM_K_MIN_STEPS) if gluon_sm90.available() else None
 
@@ -128,13 +133,14 @@ if gluon_sm90.available():
     @gluon.jit
     def _producer(w_desc, src_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready, empty,
                   num_pairs, rows_per_expert, N, K, stride_src, ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr,
-                  STREAM_K: gl.constexpr):  # fmt: skip
+                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr, STREAM_K: gl.constexpr,
+                  TILE_MAJOR: gl.constexpr):  # fmt: skip
         """The worker partition: every K step of every tile of this program into the ring. A stage is ready when
         its TMA bytes (BOXES boxes of words) and each lane's cp.async copies (the activations) have landed.
 
         ``src_ptr`` rows hold the activations (x, one row per token: ROW_DIV = top-k; or inter, one per pair:
-        ROW_DIV = 1). w13's boxes are its gate rows and, N rows further, its up rows (BOXES = 2)."""
+        ROW_DIV = 1). w13's boxes are its gate rows and, N rows further, its up rows (BOXES = 2). TILE_MAJOR: the
+        words as :data:`TILE_MAJOR_WORDS` lays them, box (rows r..r+63, step s) at row (r / 64 * steps + s) * 64."""
         STAGES: gl.constexpr = w_smem.shape[0]
         X_PARTS: gl.constexpr = x_parts(BLOCK_M, gl.num_warps())
         PART_ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS
@@ -160,7 +166,12 @@ if gluon_sm90.available():
                 mbarrier.expect(ready.index(stage), BOXES * w_desc.block_type.nbytes)
                 w_stage = w_smem.index(stage)
                 for box in gl.static_range(BOXES):
-                    tma.async_copy_global_to_shared(w_desc, [row0 + box * N, step * 16], ready.index(stage),
+                    row = row0 + box * N
+                    if TILE_MAJOR:
+                        coords = [(row // _BOX_ROWS * num_steps + step) * _BOX_ROWS, 0]
+                    else:
+                        coords = [row, step * 16]
+                    tma.async_copy_global_to_shared(w_desc, coords, ready.index(stage),
                                                     w_stage.slice(box * _BOX_ROWS, _BOX_ROWS))  # fmt: skip
                 it += 1
 
@@ -293,7 +304,7 @@ if gluon_sm90.available():
         zero_ptr, num_pairs, N, K, zero_numel, stride_x, stride_s_e, stride_s_g, stride_inter,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ZERO_OUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, TILE_MAJOR: gl.constexpr,
     ):  # fmt: skip
         """inter = silu(x W_gate^T) * (x W_up^T) over the aligned blocks; with ZERO_OUT also ``zero_ptr[:zero_numel]
         = 0`` (the target w2 adds the top-k into)."""
@@ -308,7 +319,7 @@ if gluon_sm90.available():
                              GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE)),
             (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
                          empty, num_pairs, 2 * N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
-                         2 * BLOCK_N // _BOX_ROWS, False)),
+                         2 * BLOCK_N // _BOX_ROWS, False, TILE_MAJOR)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
 
@@ -319,6 +330,7 @@ if gluon_sm90.available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, STREAM_K: gl.constexpr,
+        TILE_MAJOR: gl.constexpr,
     ):  # fmt: skip
         """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
         the (tile, K step) work)."""
@@ -332,7 +344,7 @@ if gluon_sm90.available():
                             GROUP_M, SCALE_AFTER, DTYPE, STREAM_K)),
             (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
                          ready, empty, num_pairs, N, N, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
-                         BLOCK_N // _BOX_ROWS, STREAM_K)),
+                         BLOCK_N // _BOX_ROWS, STREAM_K, TILE_MAJOR)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
 
@@ -342,10 +354,22 @@ if gluon_sm90.available():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def words_descriptor(qweight: torch.Tensor) -> TensorDescriptor:
-    """The TMA view of a stack's words: [experts * rows, K / 8] int32 in boxes of [BOX_ROWS, 16] (one K step)."""
-    view = qweight.reshape(-1, qweight.shape[-1])
+def words_descriptor(qweight: torch.Tensor, tile_major: bool = False) -> TensorDescriptor:
+    """The TMA view of a stack's words: [experts * rows, K / 8] int32 in boxes of [BOX_ROWS, 16] (one K step);
+    ``tile_major``: of :func:`tile_major_words`, [experts * rows / 64 * K / 128 * 64, 16]."""
+    view = tile_major_words(qweight) if tile_major else qweight.reshape(-1, qweight.shape[-1])
     return TensorDescriptor.from_tensor(view, [BOX_ROWS, 16], W_TMA_LAYOUT.value)
+
+
+def tile_major_words(qweight: torch.Tensor) -> torch.Tensor:
+    """[E, R, K / 8] words as [E * R / 64 * K / 128 * 64, 16], each (64 rows, K step) box contiguous: the probe's
+    layout (:data:`TILE_MAJOR_WORDS`), made once per words tensor and kept on it (freed with it)."""
+    tiled = getattr(qweight, "_tile_major_words", None)
+    if tiled is None:
+        experts, rows, words = qweight.shape
+        boxes = qweight.reshape(experts, rows // BOX_ROWS, BOX_ROWS, words // 16, 16).transpose(2, 3)
+        tiled = qweight._tile_major_words = boxes.contiguous().view(-1, 16)
+    return tiled
 
 
 def programs(tiles: int, device: torch.device, per_sm: int) -> int:
@@ -381,10 +405,11 @@ def launch(
                   maxnreg=PERSISTENT_REGISTERS[tile.per_sm])  # fmt: skip
     grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, 64), x.device, tile.per_sm),)
     _w13_ws_kernel[grid13](
-        words_descriptor(weights.w13_qweight), x, s13, zeros13, inter, rows.sorted_pairs, rows.block_experts,
+        words_descriptor(weights.w13_qweight, TILE_MAJOR_WORDS), x, s13, zeros13, inter, rows.sorted_pairs,
+        rows.block_experts,
         rows.num_blocks, target, num_pairs, n_inter, h, target.numel() if atomic else 0, x.stride(0), s13.stride(0),
         s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
-        ZERO_OUT=atomic, BLOCK_N=64, **common,
+        ZERO_OUT=atomic, BLOCK_N=64, TILE_MAJOR=TILE_MAJOR_WORDS, **common,
     )  # fmt: skip
     if n_inter < W2_PERSISTENT_MIN_K:
         gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, replace(tile, per_sm=0), reduce)
@@ -397,8 +422,9 @@ def launch(
         work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
     grid2 = (programs(work2, x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
-        words_descriptor(weights.w2_qweight), inter, s2, zeros2, topk_weights, target, rows.sorted_pairs,
+        words_descriptor(weights.w2_qweight, TILE_MAJOR_WORDS), inter, s2, zeros2, topk_weights, target,
+        rows.sorted_pairs,
         rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0), s2.stride(0), s2.stride(1),
         target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=64,
-        STREAM_K=stream_k, **common,
+        STREAM_K=stream_k, TILE_MAJOR=TILE_MAJOR_WORDS, **common,
     )  # fmt: skip

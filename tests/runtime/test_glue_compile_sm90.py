@@ -48,8 +48,8 @@ def _worker() -> None:
         scan = dict(BLOCK_M=128, BLOCK_E=block_e, TILE_C=tile_c, FILL=1024)
         aligned = experts % 8 == 0  # fp16 rows of 16 bytes
         warps = {t: routing.route_warps(t * block_e, aligned) for t in (one_t, step["BLOCK_T"], half_t)}
-        no_place = dict(PLACE=False, BLOCK_M=16, TILE_C=1, ALL_PAIRS=16)
-        place = dict(PLACE=True, BLOCK_M=16, TILE_C=align.SCAN_TILE // block_e, ALL_PAIRS=align.MAX_CHUNK)
+        no_place = dict(PLACE=False, BLOCK_M=16, ALL_PAIRS=16)
+        place = dict(PLACE=True, BLOCK_M=16, ALL_PAIRS=align.MAX_CHUNK)
         kernels = {  # name: kernel, constexprs, warps (as align._align launches them)
             "one_program": (align._one_program_kernel, dict(one, ROUTE=False, BLOCK_T=1), 8),
             "one_program routed": (align._one_program_kernel, dict(one, ROUTE=True, BLOCK_T=one_t), warps[one_t]),

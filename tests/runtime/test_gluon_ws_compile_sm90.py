@@ -34,17 +34,17 @@ from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90 as ws
 from repack.runtime.kernel_config import PERSISTENT_REGISTERS
 
 tile, act, asym = GluonTile(*json.loads(sys.argv[1])), sys.argv[2], sys.argv[3] == "1"
-producer_regs, step_sum = int(sys.argv[4]), sys.argv[5] == "1"
+producer_regs, step_sum, tile_major = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
 maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
-desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32)))
+desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32), tile_major))
 types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, scales_ptr="*fp16",
              zeros_ptr="*u8" if asym else "*fp16", topk_weights_ptr="*fp32", zero_ptr=ptr)
 report = {}
 for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m, BLOCK_N=64,
                   GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=producer_regs,
-                  SCALE_AFTER=step_sum)
+                  SCALE_AFTER=step_sum, TILE_MAJOR=tile_major)
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 writes rows per pair (heuristic_reduce)
     atomic = act == "float16"
     consts.update(dict(ZERO_OUT=atomic) if name == "w13" else dict(ATOMIC=atomic, STREAM_K=atomic))
@@ -59,36 +59,38 @@ print(json.dumps(report))
 """
 
 
-def _cases() -> list[tuple[GluonTile, str, bool, int, bool]]:
-    """(tile, activations, zero points, producer registers, step-scaled sum): every warp-specialized tile `repack
-    tune` may pick (the heuristic's among them) and the probe's other ring depths and register caps
+def _cases() -> list[tuple[GluonTile, str, bool, int, bool, bool]]:
+    """(tile, activations, zero points, producer registers, step-scaled sum, tile-major words): every warp-specialized
+    tile `repack tune` may pick (the heuristic's among them) and the probe's other ring depths and register caps
     (benchmarks/probe_gluon_ws.py) in fp16; bf16's step-scaled sum at 64 registers (gluon_sm90.persistent_fits admits
     it beside the 32-register producer), fp16's there too (gluon_sm90.SCALE_AFTER_FP16_PERSISTENT); asymmetric zeros
     at 80, where persistent_fits sends them (at 64, w13 spills); and the 40-register producer's fp16 path, the one
-    measured before it (KERNEL_NOTES.md item 27)."""
+    measured before it (KERNEL_NOTES.md item 27); the tile-major words of the probe (gluon_ws_sm90.TILE_MAJOR_WORDS,
+    item 28) in fp16."""
     shipped = [t for t in GLUON_TILES if t.per_sm]
     probed = [GluonTile(16, 64, 1, 6, per_sm=3), GluonTile(16, 64, 1, 8, per_sm=2)]
     wide, four = GluonTile(16, 64, 1, 4, per_sm=3), GluonTile(16, 64, 1, 4, per_sm=4)
     regs = PRODUCER_REGS
-    return [(t, "float16", False, regs, False) for t in shipped + probed] + [
-        (four, "bfloat16", False, regs, True),
-        (four, "float16", False, regs, True),
-        (wide, "float16", True, regs, False),
-        (wide, "bfloat16", True, regs, True),
-        (four, "float16", False, 40, False),
+    return [(t, "float16", False, regs, False, False) for t in shipped + probed] + [
+        (four, "bfloat16", False, regs, True, False),
+        (four, "float16", False, regs, True, False),
+        (wide, "float16", True, regs, False, False),
+        (wide, "bfloat16", True, regs, True, False),
+        (four, "float16", False, 40, False, False),
+        (four, "float16", False, regs, False, True),
     ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("tile", "act", "asym", "producer_regs", "step_sum"),
+    ("tile", "act", "asym", "producer_regs", "step_sum", "tile_major"),
     _cases(),
     ids=lambda v: str(v.to_list()) if isinstance(v, GluonTile) else str(v),
 )
-def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_regs, step_sum):
+def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_regs, step_sum, tile_major):
     env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
     maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
-    flags = ["1" if asym else "0", str(producer_regs), "1" if step_sum else "0"]
+    flags = ["1" if asym else "0", str(producer_regs), "1" if step_sum else "0", "1" if tile_major else "0"]
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(tile.to_list()), act, *flags],
         capture_output=True,
@@ -99,6 +101,7 @@ def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_reg
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, kernel in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         where = f"{name} {tile} {act}{' asym' if asym else ''} maxnreg={maxnreg} producer={producer_regs}"
+        where += " tile-major" if tile_major else ""
         ptx = kernel["ptx"]
         assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
         assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"

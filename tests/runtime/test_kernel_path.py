@@ -311,3 +311,17 @@ def test_a_step_scaled_sum_runs_at_four_programs_per_sm_only_beside_a_lean_produ
     assert (per_sm(sym, FP16), per_sm(sym, BF16), per_sm(asym, FP16), per_sm(asym, BF16)) == (4, 4, 3, 3)
     monkeypatch.setattr(gluon_sm90, "SCALE_AFTER_FP16_PERSISTENT", False)
     assert not gluon_sm90.scale_after(four, FP16) and per_sm(sym, FP16) == 4
+
+
+def test_tile_major_words_put_each_box_where_the_producer_reads_it():
+    """The probe's tile-major words (gluon_ws_sm90.TILE_MAJOR_WORDS): box (rows r..r+63, K step s) of the format's
+    [E * R, K / 8] words is the 64 rows from (r / 64 * K / 128 + s) * 64 on, the producer's TILE_MAJOR coordinate."""
+    from repack.runtime.kernels import gluon_ws_sm90
+
+    experts, rows, k = 2, 192, 512
+    words = torch.randint(-(2**31), 2**31 - 1, (experts, rows, k // 8), dtype=torch.int32)
+    tiled, flat, steps = gluon_ws_sm90.tile_major_words(words), words.reshape(-1, k // 8), k // 128
+    assert tiled.shape == (experts * rows * steps, 16)
+    for r in range(0, experts * rows, 64):
+        for s in range(steps):
+            assert torch.equal(tiled[(r // 64 * steps + s) * 64 :][:64], flat[r : r + 64, s * 16 : (s + 1) * 16])

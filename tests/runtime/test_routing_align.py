@@ -183,8 +183,8 @@ def test_route_and_align_is_route_then_align(device, tokens, experts, top_k, blo
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(16, 256, 8), (128, 128, 8), (40, 60, 4)])
 def test_the_last_count_program_places_every_pair(device, monkeypatch, tokens, experts, top_k):
     """Up to MAX_CHUNK pairs over several count programs, the last one to finish places every pair (shipped up to 64
-    experts, here at every count): no scatter launch, the same alignment as with it, and the ticket back at zero so
-    the next call (twice here) finds it so."""
+    experts, here at every count): no scatter launch, the same alignment as with it with each segment in pair order
+    (no atomics decide it), and the ticket back at zero so the next call (twice here) finds it so."""
     from repack.runtime.kernels import align
 
     assert align.LAST_COUNT_PLACES_MAX_EXPERTS == 64
@@ -198,5 +198,7 @@ def test_the_last_count_program_places_every_pair(device, monkeypatch, tokens, e
             assert torch.equal(ids.cpu(), ref_ids.cpu()) and torch.equal(weights.cpu(), ref_w.cpu())
             assert_aligned(a, ref_ids, experts, 16)
             assert [int(t.cpu()) for t in align._TICKETS.values()] == [0] * len(align._TICKETS)
+            real = a.sorted_pairs.cpu()[a.sorted_pairs.cpu() < ids.numel()].tolist()
+            assert real == sorted(range(ids.numel()), key=lambda p: (int(ids.view(-1)[p]), p))  # pair order
     monkeypatch.setattr(align, "LAST_COUNT_PLACES_MAX_EXPERTS", 0)
     assert_aligned(align.route_and_align(logits.to(device), top_k, True, 16)[2], ref_ids, experts, 16)
