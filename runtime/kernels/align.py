@@ -64,10 +64,10 @@ SCAN_IN_SCATTER = True  # the scatter programs scan the counts themselves where 
 # programs, each half as long on the critical path, and the scatter still scans a small tile (H200, KERNEL_NOTES.md
 # item 22: Qwen3-30B M = 64 count 3.4 -> 2.7 us, M = 256 3.5 -> 2.7; at 128 chunks the scan cost more than it saved).
 HALF_STEP_MAX_CHUNKS = 32
-# The last count program places every pair (no scatter launch) up to MAX_CHUNK pairs and this many experts. The
-# ticket's release and the serial tail in one program cost about what the launch saved: on the H100 Qwen1.5-MoE
-# M = 64 glue 4.6 against 6.4 us, Qwen2-57B 5.4 against 5.6, but 128 experts 6.9 against 6.4 and DeepSeek-V3 M = 16
-# 7.8 against 6.4 (KERNEL_NOTES.md item 28).
+# The last count program places every pair (no scatter launch) up to MAX_CHUNK pairs and this many experts. Measured
+# on the H100 with the first tail (cursors and one atomic a pair): Qwen1.5-MoE M = 64 glue 4.6 against 6.4 us,
+# Qwen2-57B 5.4 against 5.6, but 128 experts 6.9 against 6.4 and DeepSeek-V3 M = 16 7.8 against 6.4. The sorted
+# tail that replaced it (one round trip fewer) is CPU-checked only: re-measure at every E (KERNEL_NOTES.md item 28).
 LAST_COUNT_PLACES_MAX_EXPERTS = 64
 
 
@@ -105,10 +105,10 @@ def _chunk_ids(ids_ptr, first_pair, end_pair, PAIRS: tl.constexpr):
 @triton.jit
 def _cursors(counts_ptr, chunk, chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TILE_C: tl.constexpr):
     """(the first slot of chunk ``chunk``'s pairs of every expert, the rows used) from the [chunks <= TILE_C, E]
-    counts. Read past L1 (``.cg``): other programs stored them, and this program may hold stale lines."""
+    counts."""
     experts = tl.arange(0, BLOCK_E)
     rows = tl.arange(0, TILE_C)[:, None]
-    tile = tl.load(counts_ptr + rows * BLOCK_E + experts[None, :], mask=rows < chunks, other=0, cache_modifier=".cg")
+    tile = tl.load(counts_ptr + rows * BLOCK_E + experts[None, :], mask=rows < chunks, other=0)
     starts, used = _segment_starts(tl.sum(tile, axis=0), BLOCK_M)
     return starts + tl.sum(tl.where(rows < chunk, tile, 0), axis=0), used
 
@@ -176,7 +176,7 @@ def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr
                   PLACE: tl.constexpr, BLOCK_M: tl.constexpr, ALL_PAIRS: tl.constexpr):  # fmt: skip
     """Step 1: with ROUTE, this chunk's BLOCK_T tokens routed (CHUNK = BLOCK_T * TOP_K pairs); the chunk's pairs
     per expert (ids outside [0, E) are not counted); its share of the sentinel. With PLACE, then a ticket: the
-    program that takes the last one places every pair (:func:`_place_in_order`; the counts go unread)."""
+    program that takes the last one places every pair (:func:`_place_in_order`), and no counts are stored."""
     chunk = tl.program_id(0)
     chunks = tl.num_programs(0)
     num_pairs = num_tokens * TOP_K
@@ -186,7 +186,8 @@ def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr
     else:
         _, ids = _chunk_ids(ids_ptr, chunk * CHUNK, tl.minimum(num_pairs, (chunk + 1) * CHUNK), PAIRS)
         placed = (ids >= 0) & (ids < num_experts)
-    tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), _counts(ids, placed, BLOCK_E))
+    if not PLACE:  # the placing program counts every pair itself
+        tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), _counts(ids, placed, BLOCK_E))
     span = tl.cdiv(tl.cdiv(total_rows, chunks), FILL) * FILL
     _fill(sorted_pairs_ptr, chunk * span, tl.minimum(total_rows, (chunk + 1) * span), num_pairs, FILL)
     if PLACE:
