@@ -10,8 +10,9 @@ kernels/align.py's choices (module constants), all in one process:
 - ``one-program-64``: the one program routes up to 64 tokens (``ONE_PROGRAM_LOGITS`` = 8192, up to 16 warps);
 - ``scan-launch``: the scan of the per-chunk counts in a launch of its own (``SCAN_IN_SCATTER`` off);
 - ``scatter-launch``: the pairs placed by scatter programs, never by the last count program (the form before
-  KERNEL_NOTES item 28); ``count-places``: by the last count program at every expert count;
+  KERNEL_NOTES item 28); ``count-places``: by the last count program up to MAX_CHUNK pairs;
 - ``half-step``: count programs of half a routing step's tokens (twice the programs, half the logits each);
+- ``half-step-places``: those count programs, the last placing every pair (DeepSeek-V3 M = 16: 8 programs of 2 tokens);
 - ``full-step``: count programs of a whole routing step (``HALF_STEP_MAX_CHUNKS`` 0, the form before
   KERNEL_NOTES item 22);
 - ``warps-x2``, ``warps-x4``: routing programs on 256 / 128 logits per warp; ``warps-before``: 512 everywhere (the
@@ -49,9 +50,10 @@ VARIANTS = {
     "default": {},
     "one-program-64": {"ONE_PROGRAM_LOGITS": 8192},  # the one program routing up to 64 tokens on up to 16 warps
     "scan-launch": {"SCAN_IN_SCATTER": False},
-    "scatter-launch": {"LAST_COUNT_PLACES_MAX_EXPERTS": 0},
-    "count-places": {"LAST_COUNT_PLACES_MAX_EXPERTS": 1 << 20},
+    "scatter-launch": {"LAST_COUNT_PLACES_MAX_PAIRS": 0},
+    "count-places": {"LAST_COUNT_PLACES_MAX_PAIRS": 1 << 20},
     "half-step": {"token_block": _half_step},  # count programs of half a routing step's tokens (then halved again)
+    "half-step-places": {"token_block": _half_step, "LAST_COUNT_PLACES_MAX_PAIRS": 1 << 20},  # and the placing tail
     "full-step": {"HALF_STEP_MAX_CHUNKS": 0},  # count programs of a whole routing step's tokens (before item 22)
     # Routing programs on more warps (routing.ROUTE_LOGITS_PER_WARP: 512 logits a warp by default)
     "warps-x2": {"routing.ROUTE_LOGITS_PER_WARP": 256},

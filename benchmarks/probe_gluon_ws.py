@@ -119,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen2-57b,mixtral-8x7b,qwen3-30b,qwen3-235b,dsv3")
     parser.add_argument("--ms", default="4,16,64")
-    parser.add_argument("--variants", default="base,ws-4-4,ws-2-8,ws-3-6")
+    parser.add_argument("--variants", default="base,ws-4-4,ws-2-8,ws-3-5")
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--zeros", action="store_true", help="asymmetric: random uint8 zero points in [0, 15]")
     parser.add_argument("--budget-s", type=float, default=1e9)

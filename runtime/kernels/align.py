@@ -23,7 +23,7 @@ The order of the pairs inside a segment is the order the atomics land in: not fi
 in Triton's interpreter (and everywhere where the last count program places, below). No result depends on it:
 every GEMM row is its pair's own dot products, and the top-k sum reads the rows back by pair index.
 
-Up to MAX_CHUNK pairs in all and LAST_COUNT_PLACES_MAX_EXPERTS experts, the count programs take a ticket when done
+Up to LAST_COUNT_PLACES_MAX_PAIRS pairs in all, the count programs take a ticket when done
 (one atomic each) and the last to take one places every pair: no scatter launch. It sorts the ids by (expert, pair)
 in registers and puts each pair at its sorted position plus the padding before its expert's segment, so no cursor
 round trip either, and the order inside a segment is the pair order. The ticket is one counter per device that the
@@ -64,11 +64,12 @@ SCAN_IN_SCATTER = True  # the scatter programs scan the counts themselves where 
 # programs, each half as long on the critical path, and the scatter still scans a small tile (H200, KERNEL_NOTES.md
 # item 22: Qwen3-30B M = 64 count 3.4 -> 2.7 us, M = 256 3.5 -> 2.7; at 128 chunks the scan cost more than it saved).
 HALF_STEP_MAX_CHUNKS = 32
-# The last count program places every pair (no scatter launch) up to MAX_CHUNK pairs and this many experts. Measured
-# on the H100 with the first tail (cursors and one atomic a pair): Qwen1.5-MoE M = 64 glue 4.6 against 6.4 us,
-# Qwen2-57B 5.4 against 5.6, but 128 experts 6.9 against 6.4 and DeepSeek-V3 M = 16 7.8 against 6.4. The sorted
-# tail that replaced it (one round trip fewer) is CPU-checked only: re-measure at every E (KERNEL_NOTES.md item 28).
-LAST_COUNT_PLACES_MAX_EXPERTS = 64
+# The last count program places every pair (no scatter launch) up to this many pairs, whatever the expert count: its
+# sort of the (expert, pair) keys grows with the pairs. H100, glue alone (KERNEL_NOTES.md item 29): DeepSeek-V3 M = 16
+# (128 pairs) 5.5 against 6.5 us with the scatter launch; at 256-1024 pairs it lost everywhere (Qwen1.5-MoE M = 64
+# 6.5 against 6.4, M = 256 12.2 against 6.6; Qwen2-57B M = 64 6.4 against 5.7; 512 pairs of 128-256 experts 6.9-7.2
+# against 6.4-6.7). Cells of up to 128 pairs elsewhere take the one-program path before this one.
+LAST_COUNT_PLACES_MAX_PAIRS = 128
 
 
 @dataclass
@@ -337,7 +338,7 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
         if scan_here
         else max(1, min(triton.next_power_of_2(chunks), SCAN_TILE // block_e))
     )
-    place = num_experts <= LAST_COUNT_PLACES_MAX_EXPERTS and scan_here and num_pairs <= MAX_CHUNK
+    place = scan_here and num_pairs <= min(LAST_COUNT_PLACES_MAX_PAIRS, MAX_CHUNK)
     _count_kernel[(chunks,)](
         logits, weights, ids_flat, counts, sorted_pairs, num_tokens, num_experts, total_rows, stride_logits,
         _ticket(device) if place else num_blocks, block_experts, num_blocks, max_blocks, BLOCK_T=block_t,

@@ -10,9 +10,9 @@ stages, so STAGES - 2 steps are in flight; a program fills its ring once per til
 wave. Here:
 
 - the producer (a worker partition of one warp) waits until a stage is free, loads the step's weight words by TMA
-  (one [64, 16] int32 box per 64 weight rows: w13's gate rows and its up rows) and the block's activations by
-  cp.async (the token rows are gathered, which Hopper's TMA cannot do), and makes the stage's mbarrier complete
-  when both have landed (TMA transaction bytes, and one cp.async arrival per lane);
+  (one [64, 16] int32 box per 64 weight rows: w13's gate rows and its up rows, w2's 128 rows) and the block's
+  activations by cp.async (the token rows are gathered, which Hopper's TMA cannot do), and makes the stage's
+  mbarrier complete when both have landed (TMA transaction bytes, and one cp.async arrival per lane);
 - the consumer (the default partition, one warpgroup) waits for the stage, dequantizes the words into the wgmma's
   register operand and keeps one wgmma in flight as gluon_sm90 does, and frees the stage as soon as the next
   step's first wgmma has retired the last one that read it: STAGES - 1 steps in flight, no CTA-wide barrier;
@@ -98,7 +98,13 @@ W2_STREAM_K = True
 # streaming loses to the layout (KERNEL_NOTES.md item 28). The copy lives on the words tensor: a probe's first,
 # eager call makes it. A format change follows only if it measures.
 TILE_MAJOR_WORDS = False
-STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [64, block_m] partial)
+# w2's weight rows per tile: 128, two boxes of words a K step as w13's gate and up boxes, so the consumer's fixed cost
+# per step (barrier wait, fence, activations from shared memory) moves twice the bytes. H100, same process as Marlin
+# (KERNEL_NOTES.md item 29): w2 at M = 4-64 against 64 rows 3-10% faster (DeepSeek-V3 M = 16 309 -> 281 us,
+# Qwen3-235B M = 64 171 -> 154), never slower; a deeper ring of 64-row tiles had not helped (the step, not the bytes
+# in flight, was the limit).
+W2_ROWS = 128
+STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [W2_ROWS, block_m] sum)
 _STREAM_K_MIN_STEPS = gl.constexpr(STREAM_K_MIN_STEPS) if gluon_sm90.available() else None
 
 
@@ -132,14 +138,16 @@ if gluon_sm90.available():
 
     @gluon.jit
     def _producer(w_desc, src_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready, empty,
-                  num_pairs, rows_per_expert, N, K, stride_src, ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr, STREAM_K: gl.constexpr,
+                  num_pairs, rows_per_expert, N, box_stride, K, stride_src, ROW_DIV: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr,
+                  STREAM_K: gl.constexpr,
                   TILE_MAJOR: gl.constexpr):  # fmt: skip
         """The worker partition: every K step of every tile of this program into the ring. A stage is ready when
         its TMA bytes (BOXES boxes of words) and each lane's cp.async copies (the activations) have landed.
 
         ``src_ptr`` rows hold the activations (x, one row per token: ROW_DIV = top-k; or inter, one per pair:
-        ROW_DIV = 1). w13's boxes are its gate rows and, N rows further, its up rows (BOXES = 2). TILE_MAJOR: the
+        ROW_DIV = 1). A tile's boxes lie ``box_stride`` rows apart: w13's gate rows and, N rows further, its up rows
+        (BOXES = 2); w2's 64 or 128 consecutive rows (BOXES = 1, 2; stride 64). TILE_MAJOR: the
         words as :data:`TILE_MAJOR_WORDS` lays them, box (rows r..r+63, step s) at row (r / 64 * steps + s) * 64."""
         STAGES: gl.constexpr = w_smem.shape[0]
         X_PARTS: gl.constexpr = x_parts(BLOCK_M, gl.num_warps())
@@ -166,7 +174,7 @@ if gluon_sm90.available():
                 mbarrier.expect(ready.index(stage), BOXES * w_desc.block_type.nbytes)
                 w_stage = w_smem.index(stage)
                 for box in gl.static_range(BOXES):
-                    row = row0 + box * N
+                    row = row0 + box * box_stride
                     if TILE_MAJOR:
                         coords = [(row // _BOX_ROWS * num_steps + step) * _BOX_ROWS, 0]
                     else:
@@ -256,6 +264,7 @@ if gluon_sm90.available():
         """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for every tile (or, STREAM_K, every piece
         of a tile: :func:`_share`) of this program."""
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
+        ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
         OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
         offs_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
@@ -270,19 +279,22 @@ if gluon_sm90.available():
             acc, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e,
                                 zeros_ptr + expert * stride_s_e, rows, rows < N, step0, step1, stride_s_g, BLOCK_N,
                                 BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
-            acc = gl.convert_layout(acc, OUT_LAYOUT)
+            # Weighted in the accumulator's layout and converted in the output dtype: the layout change then takes
+            # half the shared memory (a 128-row tile's fp32 [128, 16] would not leave 4 programs room on an SM).
+            acc_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, ACC_LAYOUT)
+            acc = acc * gl.load(topk_weights_ptr + acc_pairs, mask=acc_pairs < num_pairs, other=0.0)
+            acc = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_LAYOUT)
             out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
             live_pairs = out_pairs < num_pairs
-            acc = acc * gl.load(topk_weights_ptr + out_pairs, mask=live_pairs, other=0.0)
             offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
             mask = gl.expand_dims(offs_n < N, 1) & live_pairs
             if ATOMIC:
                 tokens = (out_pairs // TOP_K).to(gl.int64)
                 ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
-                gl.atomic_add(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+                gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
             else:
                 ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
-                gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.store(ptrs, acc, mask=mask)
 
     @gluon.jit
     def _ring(DTYPE: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -318,7 +330,7 @@ if gluon_sm90.available():
                              block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g, stride_inter,
                              GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE)),
             (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
-                         empty, num_pairs, 2 * N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
+                         empty, num_pairs, 2 * N, N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
                          2 * BLOCK_N // _BOX_ROWS, False, TILE_MAJOR)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
@@ -343,7 +355,7 @@ if gluon_sm90.available():
                             stride_s_g, stride_out, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N,
                             GROUP_M, SCALE_AFTER, DTYPE, STREAM_K)),
             (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
-                         ready, empty, num_pairs, N, N, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
+                         ready, empty, num_pairs, N, N, _BOX_ROWS, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
                          BLOCK_N // _BOX_ROWS, STREAM_K, TILE_MAJOR)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
@@ -386,7 +398,7 @@ def launch(
     rows: Alignment,  # pairs sorted by expert into blocks of tile.block_m
     inter: torch.Tensor,  # [P, I] activation dtype
     target: torch.Tensor,  # [P, H] ("pairs") or [M, H] added to ("out", "atomic")
-    tile: GluonTile,  # block_m tokens, 64 channels (one warpgroup: 128 w13 rows, 64 w2 rows), stages, per_sm > 0
+    tile: GluonTile,  # block_m tokens, 64 channels (one warpgroup: 128 w13 rows; w2 W2_ROWS), stages, per_sm > 0
     reduce: str,  # "pairs", "out" or "atomic" (runtime/kernel_config.py)
     x_per_pair: bool = False,  # x is [P, H], one row per pair (act-order rows gathered by kernels/act_order.py)
 ) -> None:
@@ -417,7 +429,7 @@ def launch(
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     s2 = weights.w2_scales
     stream_k = atomic and W2_STREAM_K
-    work2 = rows.max_blocks * triton.cdiv(h, 64)  # tiles at most; stream-K: ranges of STREAM_K_MIN_STEPS at most
+    work2 = rows.max_blocks * triton.cdiv(h, W2_ROWS)  # tiles at most; stream-K: ranges of STREAM_K_MIN_STEPS at most
     if stream_k:
         work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
     grid2 = (programs(work2, x.device, tile.per_sm),)
@@ -425,6 +437,6 @@ def launch(
         words_descriptor(weights.w2_qweight, TILE_MAJOR_WORDS), inter, s2, zeros2, topk_weights, target,
         rows.sorted_pairs,
         rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0), s2.stride(0), s2.stride(1),
-        target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=64,
+        target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=W2_ROWS,
         STREAM_K=stream_k, TILE_MAJOR=TILE_MAJOR_WORDS, **common,
     )  # fmt: skip

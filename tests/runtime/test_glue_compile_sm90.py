@@ -64,7 +64,7 @@ def _worker() -> None:
                 dict(step, **half_chunk, **no_place, ROUTE=True, BLOCK_T=half_t),
                 warps[half_t],
             ),
-            "count routed placing": (  # the last program places every pair (align.LAST_COUNT_PLACES_MAX_EXPERTS)
+            "count routed placing": (  # the last program places every pair (align.LAST_COUNT_PLACES_MAX_PAIRS)
                 align._count_kernel,
                 dict(step, **half_chunk, **place, ROUTE=True, BLOCK_T=half_t),
                 warps[half_t],

@@ -180,19 +180,25 @@ def test_route_and_align_is_route_then_align(device, tokens, experts, top_k, blo
     assert_aligned(a, ref_ids, experts, block_m)
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(16, 256, 8), (128, 128, 8), (40, 60, 4)])
-def test_the_last_count_program_places_every_pair(device, monkeypatch, tokens, experts, top_k):
-    """Up to MAX_CHUNK pairs over several count programs, the last one to finish places every pair (shipped up to 64
-    experts, here at every count): no scatter launch, the same alignment as with it with each segment in pair order
-    (no atomics decide it), and the ticket back at zero so the next call (twice here) finds it so."""
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "program_tokens"),
+    [(16, 256, 8, 0), (16, 256, 8, 2), (128, 128, 8, 0), (40, 60, 4, 0)],
+)
+def test_the_last_count_program_places_every_pair(device, monkeypatch, tokens, experts, top_k, program_tokens):
+    """Over several count programs, the last one to finish places every pair (shipped up to 128 pairs, here up to
+    1024): no scatter launch, the same alignment as with it with each segment in pair order
+    (no atomics decide it), and the ticket back at zero so the next call (twice here) finds it so; also with count
+    programs of 2 tokens (probe_align's ``half-step-places``: 8 programs at DeepSeek-V3 M = 16)."""
     from repack.runtime.kernels import align
 
-    assert align.LAST_COUNT_PLACES_MAX_EXPERTS == 64
+    assert align.LAST_COUNT_PLACES_MAX_PAIRS == 128
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(torch.float16)
     ref_w, ref_ids = route(logits.to(device), top_k, True)
     with monkeypatch.context() as patch:
-        patch.setattr(align, "LAST_COUNT_PLACES_MAX_EXPERTS", 256)
+        patch.setattr(align, "LAST_COUNT_PLACES_MAX_PAIRS", align.MAX_CHUNK)
         patch.setattr(align, "_scatter_kernel", None)  # launching it would fail: the count programs must place
+        if program_tokens:  # a routing step of twice that, which the alignment halves
+            patch.setattr(align, "token_block", lambda experts: 2 * program_tokens)
         for _ in range(2):
             weights, ids, a = align.route_and_align(logits.to(device), top_k, True, 16)
             assert torch.equal(ids.cpu(), ref_ids.cpu()) and torch.equal(weights.cpu(), ref_w.cpu())
@@ -200,5 +206,5 @@ def test_the_last_count_program_places_every_pair(device, monkeypatch, tokens, e
             assert [int(t.cpu()) for t in align._TICKETS.values()] == [0] * len(align._TICKETS)
             real = a.sorted_pairs.cpu()[a.sorted_pairs.cpu() < ids.numel()].tolist()
             assert real == sorted(range(ids.numel()), key=lambda p: (int(ids.view(-1)[p]), p))  # pair order
-    monkeypatch.setattr(align, "LAST_COUNT_PLACES_MAX_EXPERTS", 0)
+    monkeypatch.setattr(align, "LAST_COUNT_PLACES_MAX_PAIRS", 0)
     assert_aligned(align.route_and_align(logits.to(device), top_k, True, 16)[2], ref_ids, experts, 16)

@@ -2,6 +2,8 @@
 as a script in a subprocess: its worker keeps its own copy of the limit)."""
 
 SM90_SHARED_LIMIT = 232448  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
+SM90_SHARED_PER_SM = 233472  # bytes: cudaDevAttrMaxSharedMemoryPerMultiprocessor (228 KB)
+SM90_BLOCK_RESERVED = 1024  # bytes the driver keeps per resident block (ncu: "Driver Shared Memory Per Block")
 
 
 def run_compile_worker(script: str, timeout: int = 900) -> list[dict]:
