@@ -9,16 +9,26 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
-from repack.publish import remove_stale_temps
+from repack.publish import remove_stale_temps, stale_candidates
+
+# A killed converter's files close one by one: its end of the pipe may close (waking this process) a moment before
+# its work folder's lock is released, and a folder still locked is not stale. So the removal is retried while
+# anything is left, this long at most (a folder another live run holds stays locked: it is left to that run).
+SETTLE_SECONDS = 5.0
 
 
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the converter's Ctrl-C is not for us
     out = Path(argv[1])
     sys.stdin.buffer.read()  # returns once no process holds the pipe's write end
+    deadline = time.monotonic() + SETTLE_SECONDS
     remove_stale_temps(out)
+    while stale_candidates(out) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        remove_stale_temps(out)
 
 
 if __name__ == "__main__":

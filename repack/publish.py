@@ -183,6 +183,11 @@ def remove_tree(path: Path | None) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def stale_candidates(out: Path) -> list[Path]:
+    """The work folders of runs into ``out`` (``.OUT.tmp-<pid>``, ``.OUT.old-<pid>``), live or not."""
+    return [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]
+
+
 def remove_stale_temps(out: Path) -> None:
     """Clean up after killed runs: delete their ``.OUT.tmp-<pid>`` folders, and put back a previous OUT that a
     ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing. A folder is stale when no live run

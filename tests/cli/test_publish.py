@@ -136,3 +136,29 @@ def test_a_live_runs_work_folder_is_left_alone(tmp_path):
         assert live.path.is_dir()
     finally:
         live.close()
+
+
+def test_the_janitor_waits_out_a_lock_that_outlives_the_pipe(tmp_path):
+    """A killed converter's pipe may close a moment before its work folder's lock does (the kernel closes its files
+    one by one): the janitor (repack.janitor) retries, so the folder goes once the lock is released; a folder still
+    locked after its SETTLE_SECONDS is left to the run holding it."""
+    import subprocess
+    import sys
+    import time
+
+    from repack.janitor import SETTLE_SECONDS
+
+    out = tmp_path / "out"
+    held, kept = publish_module.WorkFolder(tmp_path / ".out.tmp-1"), publish_module.WorkFolder(tmp_path / ".out.tmp-2")
+    janitor = subprocess.Popen([sys.executable, "-m", "repack.janitor", str(out)], stdin=subprocess.PIPE)
+    janitor.stdin.close()  # the converter's end of the pipe is gone, its lock not yet
+    time.sleep(0.5)
+    assert held.path.is_dir()
+    held.close()  # now the lock goes too
+    deadline = time.monotonic() + 30
+    while held.path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not held.path.exists()
+    assert janitor.wait(timeout=SETTLE_SECONDS + 30) == 0
+    assert kept.path.is_dir()  # a live run's folder: never taken
+    kept.close()
