@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from repack.publish import remove_stale_temps, stale_candidates
+from repack.publish import remove_stale_temps
 
 # A killed converter's files close one by one: its end of the pipe may close (waking this process) a moment before
 # its work folder's lock is released, and a folder still locked is not stale. So the removal is retried while
@@ -25,10 +25,8 @@ def main(argv: list[str]) -> None:
     out = Path(argv[1])
     sys.stdin.buffer.read()  # returns once no process holds the pipe's write end
     deadline = time.monotonic() + SETTLE_SECONDS
-    remove_stale_temps(out)
-    while stale_candidates(out) and time.monotonic() < deadline:
+    while remove_stale_temps(out) and time.monotonic() < deadline:
         time.sleep(0.05)
-        remove_stale_temps(out)
 
 
 if __name__ == "__main__":

@@ -183,24 +183,25 @@ def remove_tree(path: Path | None) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def stale_candidates(out: Path) -> list[Path]:
-    """The work folders of runs into ``out`` (``.OUT.tmp-<pid>``, ``.OUT.old-<pid>``), live or not."""
-    return [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]
-
-
-def remove_stale_temps(out: Path) -> None:
+def remove_stale_temps(out: Path) -> bool:
     """Clean up after killed runs: delete their ``.OUT.tmp-<pid>`` folders, and put back a previous OUT that a
     ``--force`` run had moved to ``.OUT.old-<pid>`` but died before replacing. A folder is stale when no live run
-    holds its lock (:class:`WorkFolder`), whatever its PID says (PIDs are reused)."""
+    holds its lock (:class:`WorkFolder`), whatever its PID says (PIDs are reused). Returns whether a work folder
+    was left because a lock still held it."""
+    held = False
     for path in out.parent.glob(f".{out.name}.tmp-*"):
         if is_abandoned(path):
             remove_tree(path)
+        else:
+            held = True
     for path in out.parent.glob(f".{out.name}.old-*"):
-        if is_abandoned(path):
-            if os.path.lexists(out):
-                remove_tree(path)  # the new OUT was published; this is the leftover
-            else:
-                path.rename(out)
+        if not is_abandoned(path):
+            held = True
+        elif os.path.lexists(out):
+            remove_tree(path)  # the new OUT was published; this is the leftover
+        else:
+            path.rename(out)
+    return held
 
 
 class Janitor:
