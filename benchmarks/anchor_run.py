@@ -13,6 +13,9 @@ makes the two changes without editing it, so every checkout measures the same wa
 - ``project:NAME=VALUE[;NAME=VALUE]`` in ANCHOR_VARIANTS adds the project's call under those environment settings
   (``project:REPACK_GLUON_WS=0``: without the warp-specialized kernels) or module constants
   (``project:decode.GLUON_DECODE_HIDDEN=3584``), timed beside the others;
+- ``project_rows`` in ANCHOR_VARIANTS adds the project's call on the same words laid out as version 2's "mma128"
+  rows (formats/SPEC.md section 3; a copy per stack, made once per model), so the word layouts are compared in one
+  process;
 - every timed variant, Marlin's too, is profiled over the same CUDA graph (benchmarks/launch_profile.py), one row
   per launch, which ``anchor_report.py --launches`` tabulates;
 - ``ANCHOR_ROUTING_SKEW=s`` (default 0: the harness's uniform routing) adds ``s * b[e]`` to every token's router
@@ -34,6 +37,8 @@ import importlib
 import importlib.util
 import os
 import sys
+import weakref
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from unittest import mock
@@ -89,6 +94,36 @@ def skew_routing(harness: ModuleType, skew: float) -> None:
     harness.ref_route = skewed_ref_route
 
 
+_ROWS_CACHE: dict[int, list] = {}
+
+
+def row_major_stacks(stacks: list) -> list | None:
+    """``stacks`` (MoeWeights in "mma128_tiles") with their words copied into "mma128" rows, made once per list (the
+    harness keeps one list per model; the copies go with it); None where the GPU has no room
+    for the copies beside the harness's weights (the variant is then left out, with a line)."""
+    if id(stacks) not in _ROWS_CACHE:
+        import torch
+
+        from repack.formats.stacks import MMA128_ORDER, TILES_ORDER
+        from repack.formats.word_order import from_tiles
+
+        _ROWS_CACHE.clear()
+        if any(s.word_order != TILES_ORDER for s in stacks):
+            raise ValueError("project_rows: the project's stacks are not in mma128_tiles")
+        try:
+            # freed with the model's stacks (the harness drops them before building the next model's weights)
+            weakref.finalize(stacks[0], _ROWS_CACHE.pop, id(stacks), None)
+            _ROWS_CACHE[id(stacks)] = [
+                replace(s, word_order=MMA128_ORDER, w13_qweight=from_tiles(s.w13_qweight),
+                        w2_qweight=from_tiles(s.w2_qweight))
+                for s in stacks
+            ]  # fmt: skip
+        except torch.cuda.OutOfMemoryError:
+            print(f"project_rows: no GPU memory for a second copy of {len(stacks)} stacks; left out", flush=True)
+            return None
+    return _ROWS_CACHE[id(stacks)]
+
+
 def adapt(harness: ModuleType) -> None:
     """Patch the harness in place: the project variant through routed_moe, every timing with its launches."""
     make_variants, time_graph = harness.make_variants, harness.time_graph
@@ -106,6 +141,14 @@ def adapt(harness: ModuleType) -> None:
                 return routed_moe(xs[i], stacks[i], logits, m.top_k, m.renorm)
 
             variants["project"] = (project, copies, ctx, dict(info, entry="routed_moe"))
+            rows = row_major_stacks(stacks) if "project_rows" in which else None
+            if rows is not None:
+
+                def project_rows(i):
+                    return routed_moe(xs[i], rows[i], logits, m.top_k, m.renorm)
+
+                variants["project_rows"] = (project_rows, copies, ctx,
+                                            dict(info, entry="routed_moe", words="mma128 rows"))  # fmt: skip
             for name in which:  # "project:NAME=VALUE[;NAME=VALUE]": the same call under those settings
                 if name.startswith("project:"):
                     settings = dict(item.split("=", 1) for item in name.removeprefix("project:").split(";"))

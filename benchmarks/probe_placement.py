@@ -8,7 +8,8 @@ read the same in ncu and in the harness (KERNEL_NOTES.md item 28). Candidates: t
 stack (DRAM channels and TLB reach differ per allocation), or something in the harness's process. Here the same
 call is timed (CUDA graph over two copies, median of 1 s of replays, launches profiled) on stacks allocated after
 spacers of different sizes, each twice (a second timing shows what a re-measurement alone moves) and once with the
-words tile-major (gluon_ws_sm90.TILE_MAJOR_WORDS: every TMA box one contiguous run); with ``--harness``, then again
+same words as version 2's "mma128" rows (every TMA box 64 runs of 64 bytes, where the "mma128_tiles" the converter
+writes make it one contiguous run: formats/SPEC.md section 3); with ``--harness``, then again
 after the anchor harness's setup (vLLM's libraries loaded) and on its own weight build (``build_main_weights``,
 fp32 reference included), timed by our timer and by the harness's.
 """
@@ -18,14 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from unittest import mock
 
 import torch
 
+from benchmarks.anchor_run import row_major_stacks
 from benchmarks.bench_moe import CASES
 from benchmarks.launch_profile import capture, profile_graph
 from repack.runtime.fused_moe import routed_moe
-from repack.runtime.kernels import gluon_ws_sm90
 from repack.runtime.tune import random_stack
 
 SPACERS_MIB = (0, 2, 64, 1000, 3)  # bytes allocated (and kept) before each stack
@@ -68,13 +68,12 @@ def main(argv: list[str] | None = None) -> None:
         def step(i, stacks=stacks):
             return routed_moe(x[i], stacks[i], logits, case.top_k, case.renormalize)
 
-        def tiled(i, step=step):
-            with mock.patch.object(gluon_ws_sm90, "TILE_MAJOR_WORDS", True):
-                return step(i)
+        def as_rows(i, rows=row_major_stacks(stacks)):
+            return routed_moe(x[i], rows[i], logits, case.top_k, case.renormalize)
 
         time_call(step, f"stack after {spacer} MiB")
         time_call(step, f"stack after {spacer} MiB, again")
-        time_call(tiled, f"stack after {spacer} MiB, tile-major words")
+        time_call(as_rows, f"stack after {spacer} MiB, as mma128 rows")
     if args.harness:
         harness_stages(case, args.m, x, logits, kept[1])
 

@@ -10,7 +10,8 @@ Layout of one stack of E experts with hidden size H, intermediate size I, ``pack
 
 - ``w13_qweight`` int32 ``[E, 2I, H/pack]``: row ``n < I`` is gate output ``P2[n]``, row ``I + n`` is up output
   ``P2[n]``; in the "gptq" word order field s of word r is sorted input ``k = r*pack + s``, i.e. original
-  input ``P1[k]`` (the "mma128" order permutes the nibbles inside each 16-word block, see :data:`WORD_ORDERS`).
+  input ``P1[k]`` (the "mma128" order permutes the nibbles inside each 16-word block, see :data:`WORD_ORDERS`;
+  "mma128_tiles" stores those words as ``[E, 2I/64, H/128, 64, 16]`` tiles, :func:`~.word_order.to_tiles`).
 - ``w13_scales`` float16 ``[E, G1, 2I]``, ``w13_zeros`` uint8 ``[E, G1, 2I]`` (asymmetric only).
 - ``w13_perm`` int32 ``[E, H]`` = P1 (act-order only): the kernel gathers activations through it.
 - ``w2_qweight`` int32 ``[E, H, I/pack]`` with rows of the input sorted by P2, ``w2_scales`` float16
@@ -38,11 +39,14 @@ from .constants import (  # noqa: F401 - re-exported, so this module still names
     MANIFEST_FILE,
     MMA128_BLOCK,
     MMA128_ORDER,
+    MMA_ORDERS,
     QUANT_METHOD,
     ROUTED,
     SHARED,
     STACK_TENSORS,
     SUPPORTED_FORMAT_VERSIONS,
+    TILE_ROWS,
+    TILES_ORDER,
     WORD_ORDERS,
 )
 from .errors import RepackError
@@ -56,7 +60,10 @@ from .gptq import (
 from .sources.base import CanonicalLinear
 from .word_order import (  # noqa: F401 - MMA128_INDEX re-exported: this module names the whole format
     MMA128_INDEX,
+    from_tiles,
     from_word_order,
+    rows_order,
+    to_tiles,
     to_word_order,
     transpose_from_word_order,
     transpose_to_word_order,
@@ -104,10 +111,10 @@ class StackInfo:
                 raise StackInfoError(f"stack {self.prefix!r}: {item.name} {value!r} is not a JSON {item.type}")
         if self.word_order not in WORD_ORDERS:
             raise StackInfoError(f"stack {self.prefix}: word_order {self.word_order!r} is not one of {WORD_ORDERS}")
-        if self.word_order == MMA128_ORDER and not _fits_mma128(self.bits, self.hidden_size, self.intermediate_size):
+        if self.word_order in MMA_ORDERS and not _fits_mma128(self.bits, self.hidden_size, self.intermediate_size):
             raise StackInfoError(
-                f"stack {self.prefix}: word_order 'mma128' needs 4 bits and H, I multiples of {MMA128_BLOCK} "
-                f"(has {self.bits} bits, H={self.hidden_size}, I={self.intermediate_size})"
+                f"stack {self.prefix}: word_order {self.word_order!r} needs 4 bits and H, I multiples of "
+                f"{MMA128_BLOCK} (has {self.bits} bits, H={self.hidden_size}, I={self.intermediate_size})"
             )
 
     @property
@@ -133,11 +140,11 @@ class StackInfo:
         e, h, i, pack = self.num_experts, self.hidden_size, self.intermediate_size, 32 // self.bits
         g1, g2 = self.scheme.groups(h), self.scheme.groups(i)
         table = {
-            "w13_qweight": ([e, 2 * i, h // pack], "int32"),
+            "w13_qweight": (words_shape(self.word_order, e, 2 * i, h // pack), "int32"),
             "w13_scales": ([e, g1, 2 * i], "float16"),
             "w13_zeros": ([e, g1, 2 * i], "uint8"),
             "w13_perm": ([e, h], "int32"),
-            "w2_qweight": ([e, h, i // pack], "int32"),
+            "w2_qweight": (words_shape(self.word_order, e, h, i // pack), "int32"),
             "w2_scales": ([e, g2, h], "float16"),
             "w2_zeros": ([e, g2, h], "uint8"),
             "w2_perm": ([e, i], "int32"),
@@ -174,16 +181,30 @@ def _per_expert_tensors(info: StackInfo) -> dict[str, tuple[list[int], str]]:
     return {name.rsplit(".", 1)[1]: (shape[1:], dtype) for name, (shape, dtype) in info.tensor_shapes().items()}
 
 
+def words_shape(order: str, experts: int, rows: int, words: int) -> list[int]:
+    """The stored shape of a qweight of ``experts`` x ``rows`` output rows x ``words`` words in word order ``order``:
+    ``[E, rows, words]``, or for "mma128_tiles" ``[E, rows/64, words/16, 64, 16]`` (SPEC.md section 3)."""
+    if order == TILES_ORDER:
+        return [experts, rows // TILE_ROWS, words // 16, TILE_ROWS, 16]
+    return [experts, rows, words]
+
+
+def row_major_words(order: str, qweight: torch.Tensor) -> torch.Tensor:
+    """A stored qweight ``[..., rows, words]`` in its row-major form: the tensor itself, or for "mma128_tiles" its
+    tiles put back into rows (a copy, in the "mma128" order; :func:`~.word_order.rows_order`)."""
+    return from_tiles(qweight) if order == TILES_ORDER else qweight
+
+
 def _fits_mma128(bits: int, hidden_size: int, intermediate_size: int) -> bool:
     """Whether "mma128" is defined for a stack: 4-bit words and both inputs (H of w13, I of w2) whole blocks."""
     return bits == 4 and hidden_size % MMA128_BLOCK == 0 and intermediate_size % MMA128_BLOCK == 0
 
 
 def choose_word_order(bits: int, hidden_size: int, intermediate_size: int, group_size: int) -> str:
-    """The word order the converter writes for a stack: "mma128" wherever it is defined and every 128-input
-    block lies inside one quantization group (one scale per row per block for the kernel), else "gptq"."""
+    """The word order the converter writes for a stack: "mma128_tiles" wherever "mma128" is defined and every
+    128-input block lies inside one quantization group (one scale per row per block for the kernel), else "gptq"."""
     whole_groups = group_size == -1 or group_size % MMA128_BLOCK == 0
-    return MMA128_ORDER if _fits_mma128(bits, hidden_size, intermediate_size) and whole_groups else GPTQ_ORDER
+    return TILES_ORDER if _fits_mma128(bits, hidden_size, intermediate_size) and whole_groups else GPTQ_ORDER
 
 
 def sort_permutation(name: str, linear: CanonicalLinear, scheme: GptqScheme) -> torch.Tensor | None:
@@ -268,9 +289,10 @@ def iter_pack_stack(
     for (_, _, down_name), _, (_, p2) in sources:
         down = _sorted_rows(load_qweight(down_name), p2, scheme)
         words = down.shape[0] // chunks
-        for chunk in range(chunks):  # [1, H, I/pack]: the words of one chunk, transposed
+        for chunk in range(chunks):  # [1, H, I/pack]: the words of one chunk, transposed (then tiled)
             rows = down[chunk * words : (chunk + 1) * words]
-            yield name("w2_qweight"), transpose_to_word_order(rows, info.word_order).unsqueeze(0)
+            yield name("w2_qweight"), _stored_words(transpose_to_word_order(rows, rows_order(info.word_order)),
+                                                    info.word_order).unsqueeze(0)  # fmt: skip
     for _, (_, _, down), _ in sources:
         yield name("w2_scales"), down.scales.reshape(chunks, -1, down.scales.shape[1])
     if "w2_zeros" in wanted:
@@ -317,8 +339,13 @@ def _w13_qweight(
             columns = words[:, chunk * i : (chunk + 1) * i]
         else:
             columns = torch.index_select(words, 1, p2[chunk * i : (chunk + 1) * i].long())
-        transpose_to_word_order(columns, order, out=rows)
-    return out
+        transpose_to_word_order(columns, rows_order(order), out=rows)
+    return _stored_words(out, order)
+
+
+def _stored_words(words: torch.Tensor, order: str) -> torch.Tensor:
+    """Row-major words ``[..., rows, K/pack]`` in :func:`~.word_order.rows_order` as stored in ``order``."""
+    return to_tiles(words) if order == TILES_ORDER else words
 
 
 def _sorted_rows(qweight: torch.Tensor, perm: torch.Tensor | None, scheme: GptqScheme) -> torch.Tensor:
@@ -348,10 +375,10 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
 
     The qweights are first put back in the "gptq" word order, one expert at a time. A linear's zeros are None for a
     symmetric stack, its g_idx None unless the source stored one (``has_g_idx``)."""
-    scheme = info.scheme
-    get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
+    scheme, order = info.scheme, rows_order(info.word_order)
+    get = _row_major_getter(info, tensors)
     # expert x's words input-major ([K/pack, N], the GPTQ layout) in the "gptq" order
-    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], info.word_order)  # noqa: E731
+    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], order)  # noqa: E731
     h, i = info.hidden_size, info.intermediate_size
     chunks = info.chunks_per_source
     out: dict[str, CanonicalLinear] = {}
@@ -366,7 +393,7 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
             q13 = q13.view(rows, chunks, 2, i)
             q_gate, q_up = q13[:, :, 0].reshape(rows, -1), q13[:, :, 1].reshape(rows, -1)
         else:  # each chunk's gate and up words straight into their columns of the GPTQ qweights
-            q_gate, q_up = _gptq_columns(get("w13_qweight"), experts, i, info.word_order)
+            q_gate, q_up = _gptq_columns(get("w13_qweight"), experts, i, order)
         s13 = torch.cat([get("w13_scales")[x] for x in experts], dim=1).view(-1, chunks, 2, i)
         s_gate, s_up = s13[:, :, 0].reshape(s13.shape[0], -1), s13[:, :, 1].reshape(s13.shape[0], -1)
         if info.act_order_w2:
@@ -375,7 +402,7 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
             w2 = get("w2_qweight")  # [E, H, I/8]: each chunk's words are rows of down's GPTQ qweight [I_total/8, H]
             q_down = torch.empty((len(experts) * w2.shape[2], w2.shape[1]), dtype=w2.dtype)
             for x, piece in zip(experts, q_down.split(w2.shape[2]), strict=True):
-                transpose_from_word_order(w2[x], info.word_order, out=piece)
+                transpose_from_word_order(w2[x], order, out=piece)
         s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
         if info.sym:
             z_gate = z_up = z_down = None
@@ -411,6 +438,20 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
             g_idx=trivial_g_idx(chunks * i, scheme)[inv2].contiguous() if info.has_g_idx else None,
         )
     return out
+
+
+def _row_major_getter(info: StackInfo, tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """kind -> the stack's tensor of that kind, its qweights in row-major form (:func:`row_major_words`, each
+    untiled once)."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def get(kind: str) -> torch.Tensor:
+        if kind not in cache:
+            tensor = tensors[f"{info.prefix}.{kind}"]
+            cache[kind] = row_major_words(info.word_order, tensor) if kind.endswith("_qweight") else tensor
+        return cache[kind]
+
+    return get
 
 
 def _gptq_columns(w13: torch.Tensor, experts: range, i: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -491,10 +532,10 @@ def dequantize_stack(info: StackInfo, tensors: dict[str, torch.Tensor], dtype=to
     w2's input is in the sorted (P2) order, matching w13's output rows; w13 is returned with its input
     columns scattered back to the original order so ``x @ w13[e].T`` needs no gather.
     """
-    scheme = info.scheme
-    get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
+    scheme, order = info.scheme, rows_order(info.word_order)
+    get = _row_major_getter(info, tensors)
     # expert x's words input-major ([K/pack, N], the GPTQ layout) in the "gptq" order
-    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], info.word_order)  # noqa: E731
+    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], order)  # noqa: E731
     e, h, i = info.num_experts, info.hidden_size, info.intermediate_size
     glen1, glen2 = scheme.group_len(h), scheme.group_len(i)
     w13s, w2s = [], []

@@ -1,10 +1,12 @@
-"""Word orders of packed 4-bit qweights (formats/SPEC.md section 3): "gptq" and "mma128", and exact converters.
+"""Word orders of packed 4-bit qweights (formats/SPEC.md section 3): "gptq", "mma128" and "mma128_tiles", and exact
+converters.
 
 The converter stores qweights output-major (``[N, K/8]`` words per expert) while GPTQ sources are input-major
 (``[K/8, N]``), so every stacked qweight is a transpose plus, for "mma128", a nibble permutation inside each
 16-word block. :func:`transpose_to_word_order` does both in one pass and
 :func:`transpose_from_word_order` is its exact inverse; :func:`to_word_order` / :func:`from_word_order` are the
-same permutation on words that are already output-major.
+same permutation on words that are already output-major. "mma128_tiles" is "mma128" with each expert's rows cut into
+tiles (:func:`to_tiles`, :func:`from_tiles`: a reshape and one copy, no nibble moves).
 
 Why this way (see benchmarks/RESULTS.md, "Conversion (CPU)", for the figures): the permutation is fused into the
 transpose the layout needs anyway, as compiled loops (:mod:`.mma128_kernels`, numba) that take each output row's
@@ -20,7 +22,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from .constants import GPTQ_ORDER, MMA128_BLOCK, WORD_ORDERS
+from .constants import GPTQ_ORDER, MMA128_BLOCK, MMA128_ORDER, TILE_ROWS, TILES_ORDER
 
 _BLOCK_WORDS = MMA128_BLOCK // 8  # 16 words of 8 nibbles
 
@@ -39,21 +41,27 @@ MMA128_INDEX = _mma128_index()
 
 
 def to_word_order(words: torch.Tensor, order: str) -> torch.Tensor:
-    """Packed "gptq"-order words ``[..., K/8]`` (int32, K % 128 == 0 for "mma128") -> the same words in ``order``.
+    """Packed "gptq"-order rows of words ``[..., N, K/8]`` (int32, K % 128 == 0 for "mma128") -> the same words in
+    ``order``: the same shape, or for "mma128_tiles" ``[..., N/64, K/128, 64, 16]`` (N % 64 == 0).
 
     The identity (the same tensor) for "gptq"; a new tensor otherwise."""
-    if _check_order(words, order) == GPTQ_ORDER:
+    rows = rows_order(order)
+    if _check_order(words, rows) == GPTQ_ORDER:
         return words
     flat = words.reshape(-1, words.shape[-1])
-    return transpose_to_word_order(flat.t(), order).view(words.shape)
+    permuted = transpose_to_word_order(flat.t(), rows).view(words.shape)
+    return to_tiles(permuted) if order == TILES_ORDER else permuted
 
 
 def from_word_order(words: torch.Tensor, order: str) -> torch.Tensor:
-    """Exact inverse of :func:`to_word_order`: words in ``order`` -> "gptq"-order words."""
-    if _check_order(words, order) == GPTQ_ORDER:
+    """Exact inverse of :func:`to_word_order`: words in ``order`` -> "gptq"-order rows ``[..., N, K/8]``."""
+    rows = rows_order(order)
+    if order == TILES_ORDER:
+        words = from_tiles(words)
+    if _check_order(words, rows) == GPTQ_ORDER:
         return words
     flat = words.reshape(-1, words.shape[-1])
-    return transpose_from_word_order(flat, order).t().contiguous().view(words.shape)
+    return transpose_from_word_order(flat, rows).t().contiguous().view(words.shape)
 
 
 def transpose_to_word_order(words: torch.Tensor, order: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,6 +91,32 @@ def transpose_from_word_order(words: torch.Tensor, order: str, out: torch.Tensor
     return out
 
 
+def to_tiles(words: torch.Tensor) -> torch.Tensor:
+    """Row-major words ``[..., N, K/8]`` -> ``[..., N/64, K/128, 64, 16]``: each tile of 64 rows and one 128-input
+    block (16 words) one contiguous run, tiles of a row band in K order (the "mma128_tiles" layout of "mma128"
+    words). A new contiguous tensor."""
+    *lead, rows, width = words.shape
+    if rows % TILE_ROWS or width % _BLOCK_WORDS:
+        raise ValueError(f"tiles of {TILE_ROWS} rows x {_BLOCK_WORDS} words do not cut words {list(words.shape)}")
+    banded = words.reshape(*lead, rows // TILE_ROWS, TILE_ROWS, width // _BLOCK_WORDS, _BLOCK_WORDS)
+    return banded.transpose(-3, -2).contiguous()
+
+
+def from_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of :func:`to_tiles`: ``[..., N/64, K/128, 64, 16]`` -> row-major ``[..., N, K/8]`` (a new
+    contiguous tensor)."""
+    *lead, bands, steps, rows, width = tiles.shape
+    if (rows, width) != (TILE_ROWS, _BLOCK_WORDS):
+        raise ValueError(f"{list(tiles.shape)} is not [..., N/64, K/128, 64, 16] tiles of words")
+    return tiles.transpose(-3, -2).reshape(*lead, bands * TILE_ROWS, steps * _BLOCK_WORDS)
+
+
+def rows_order(order: str) -> str:
+    """The order of the row-major words a tiled order cuts into tiles ("mma128" for "mma128_tiles"), else
+    ``order`` itself: what the nibble converters below take."""
+    return MMA128_ORDER if order == TILES_ORDER else order
+
+
 def _kernels() -> ModuleType:
     """The compiled loops, imported on first use (numba takes a moment to import; loading a checkpoint needs none)."""
     from . import mma128_kernels
@@ -104,8 +138,10 @@ def _word_pairs(words: torch.Tensor) -> np.ndarray:
 
 
 def _check_order(words: torch.Tensor, order: str) -> str:
-    if order not in WORD_ORDERS:
-        raise ValueError(f"word order {order!r} is not one of {WORD_ORDERS}")
+    """``order`` if it is a nibble order of row-major words these converters take (a tiled order is converted as
+    its :func:`rows_order`, then cut by :func:`to_tiles`)."""
+    if order not in (GPTQ_ORDER, MMA128_ORDER):
+        raise ValueError(f"word order {order!r} is not a row-major nibble order ({GPTQ_ORDER!r}, {MMA128_ORDER!r})")
     if order != GPTQ_ORDER and (words.dtype != torch.int32 or words.dim() == 0 or words.shape[-1] % _BLOCK_WORDS):
         raise ValueError(f"word order {order!r} needs int32 words [..., 16 n], got {words.dtype} {list(words.shape)}")
     return order

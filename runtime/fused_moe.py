@@ -131,6 +131,12 @@ def kernel_path(
 
 def _check_inputs(hidden_states: torch.Tensor, weights: MoeWeights, topk_ids: torch.Tensor, topk_weights) -> None:
     """Turn shape/dtype/device mistakes into one-line RepackErrors before any kernel runs."""
+    dims = 5 if weights.tiled else 3
+    if weights.w13_qweight.dim() != dims or weights.w2_qweight.dim() != dims:
+        raise RepackError(
+            f"fused_moe: {weights.word_order!r} words are {dims}-D, got w13 {list(weights.w13_qweight.shape)} and w2 "
+            f"{list(weights.w2_qweight.shape)}; build MoeWeights from the checkpoint's stack (MoeWeights.from_tensors)"
+        )
     if hidden_states.dtype not in TL_DTYPES:
         raise RepackError(
             f"fused_moe: hidden_states dtype {hidden_states.dtype} is not supported; pass float16 or bfloat16"

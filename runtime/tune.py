@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from repack.formats.errors import RepackError
-from repack.formats.stacks import choose_word_order
+from repack.formats.stacks import choose_word_order, words_shape
 from repack.runtime.fused_moe import FAMILIES, fused_moe
 from repack.runtime.kernel_config import Family, GluonTile, KernelConfig, config_file_name, device_name
 from repack.runtime.kernels import gluon_sm90
@@ -145,8 +145,10 @@ def random_stack(
     word_order = word_order or choose_word_order(4, hidden, inter, group)
     total = experts * copies
     info32 = torch.iinfo(torch.int32)
-    w13 = torch.randint(info32.min, info32.max, (total, 2 * inter, hidden // 8), dtype=torch.int32, device="cuda")
-    w2 = torch.randint(info32.min, info32.max, (total, hidden, inter // 8), dtype=torch.int32, device="cuda")
+    random_words = lambda rows, words: torch.randint(  # noqa: E731
+        info32.min, info32.max, words_shape(word_order, total, rows, words), dtype=torch.int32, device="cuda"
+    )
+    w13, w2 = random_words(2 * inter, hidden // 8), random_words(hidden, inter // 8)
     s13 = (torch.rand(total, hidden // group, 2 * inter, device="cuda") * 0.01 + 0.005).half()
     s2 = (torch.rand(total, inter // group, hidden, device="cuda") * 0.01 + 0.005).half()
     sl = lambda c: slice(c * experts, (c + 1) * experts)  # noqa: E731

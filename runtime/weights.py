@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, STACK_TENSORS, StackInfo
+from repack.formats.stacks import GPTQ_ORDER, MMA_ORDERS, STACK_TENSORS, TILE_ROWS, TILES_ORDER, StackInfo
 
 
 @dataclass
@@ -18,16 +18,16 @@ class MoeWeights:
     shared chunks (:func:`join_adjacent`) is one such stack too, with ``routed_experts`` set.
     """
 
-    w13_qweight: torch.Tensor  # int32 [E, 2I, H/pack]
+    w13_qweight: torch.Tensor  # int32 [E, 2I, H/pack]; "mma128_tiles": [E, 2I/64, H/128, 64, 16]
     w13_scales: torch.Tensor  # fp16 [E, G1, 2I]
-    w2_qweight: torch.Tensor  # int32 [E, H, I/pack]
+    w2_qweight: torch.Tensor  # int32 [E, H, I/pack]; "mma128_tiles": [E, H/64, I/128, 64, 16]
     w2_scales: torch.Tensor  # fp16 [E, G2, H]
     bits: int
     group_size: int  # -1: one group over the whole input
     w13_zeros: torch.Tensor | None = None  # uint8 [E, G1, 2I]
     w2_zeros: torch.Tensor | None = None  # uint8 [E, G2, H]
     w13_perm: torch.Tensor | None = None  # int32 [E, H]
-    word_order: str = GPTQ_ORDER  # where each input sits in the words: GPTQ_ORDER or MMA128_ORDER (SPEC.md section 3)
+    word_order: str = GPTQ_ORDER  # where each input sits in the words: formats.stacks.WORD_ORDERS (SPEC.md section 3)
     # Set on a routed stack joined with its shared chunks (join_adjacent): the routed experts come first, the
     # shared chunks are experts routed_experts..E-1. Kernel configs are tuned per routed stack, so they are
     # looked up by this count (runtime/fused_moe.get_config).
@@ -35,8 +35,15 @@ class MoeWeights:
 
     @property
     def mma_order(self) -> bool:
-        """The words are in the mma128 order (the weight-major and decode kernels read it; nothing else does)."""
-        return self.word_order == MMA128_ORDER
+        """The words hold the mma128 nibble order, in rows or in tiles (the weight-major, Gluon and decode kernels
+        read it; nothing else does)."""
+        return self.word_order in MMA_ORDERS
+
+    @property
+    def tiled(self) -> bool:
+        """The words are stored in tiles of 64 rows x one 128-input block ("mma128_tiles"; kernels address them
+        through kernels.common.word_strides)."""
+        return self.word_order == TILES_ORDER
 
     @property
     def num_experts(self) -> int:
@@ -44,11 +51,11 @@ class MoeWeights:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.w2_qweight.shape[1])
+        return int(self.w2_qweight.shape[1]) * (TILE_ROWS if self.tiled else 1)
 
     @property
     def intermediate_size(self) -> int:
-        return int(self.w13_qweight.shape[1]) // 2
+        return int(self.w13_qweight.shape[1]) * (TILE_ROWS if self.tiled else 1) // 2
 
     def group_len(self, k: int) -> int:
         """Inputs per scale row of a projection with ``k`` inputs: the group, or all of K for group size -1."""

@@ -78,17 +78,45 @@ def launch_tiles(kernel, row_blocks: int, n: int, meta: dict, device: torch.devi
     fit_config(meta, device, launch, kernel.fn.__name__)
 
 
-def projection_args(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> dict:
-    """One projection's stored tensors as the kernels take them: ``qw_ptr``, ``scales_ptr``, ``zeros_ptr`` (any
-    tensor for a symmetric stack, whose HAS_ZEROS is off) and their expert and row strides.
+def word_strides(qweight: torch.Tensor, tiled: bool, block_k: int = 128, bits: int = 4) -> tuple[int, int, int, int]:
+    """Where weight row ``n``'s words of K step ``j`` start, for kernels that step ``block_k`` inputs at a time:
+    ``(n // 64) * stride_qw_band + (n % 64) * stride_qw_row + j * stride_qw_step`` (+ the expert's
+    ``stride_qw_e``) int32 words, in every stored order (formats/SPEC.md section 3).
 
-    ``qweight`` [E, N, K/VALS] (int32, or a narrower view of it), ``scales`` and ``zeros`` [E, G, N]."""
+    Row-major words ``[E, N, K/pack]`` ("gptq", "mma128"): a band of 64 rows is 64 row strides and a step
+    ``block_k / pack`` words. Tiles ``[E, N/64, K/128, 64, 16]`` ("mma128_tiles", ``tiled``): the tensor's own strides,
+    and a step is one 128-input block (the only ``block_k`` they allow). Returned as (expert, band, row, step)."""
+    if tiled:
+        if block_k != 128:
+            raise ValueError(f"word_strides: tiled words step 128 inputs, not {block_k}")
+        return qweight.stride(0), qweight.stride(1), qweight.stride(3), qweight.stride(2)
+    return qweight.stride(0), 64 * qweight.stride(1), qweight.stride(1), block_k * bits // 32
+
+
+@triton.jit
+def word_rows(rows, stride_band, stride_row):
+    """int64 word offset of each weight row ``rows`` from its expert's first word (see :func:`word_strides`)."""
+    rows = rows.to(tl.int64)
+    return rows // 64 * stride_band + rows % 64 * stride_row
+
+
+def quant_args(scales: torch.Tensor, zeros: torch.Tensor | None) -> dict:
+    """A projection's ``scales_ptr`` and ``zeros_ptr`` (any tensor for a symmetric stack, whose HAS_ZEROS is off),
+    ``[E, G, N]`` each, with their expert and group strides."""
     return dict(
-        qw_ptr=qweight,
         scales_ptr=scales,
         zeros_ptr=zeros if zeros is not None else scales,
-        stride_qw_e=qweight.stride(0),
-        stride_qw_n=qweight.stride(1),
         stride_s_e=scales.stride(0),
         stride_s_g=scales.stride(1),
     )
+
+
+def projection_args(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, tiled: bool,
+                    block_k: int = 128, bits: int = 4) -> dict:  # fmt: skip
+    """One projection's stored tensors as the kernels take them: ``qw_ptr`` and the words' strides
+    (:func:`word_strides`: ``tiled`` words, K steps of ``block_k`` inputs), and :func:`quant_args`.
+
+    ``qweight`` [E, N, K/VALS] int32 (or a narrower view of it) or its tiles."""
+    names = ("stride_qw_e", "stride_qw_band", "stride_qw_row", "stride_qw_step")
+    strides = dict(zip(names, word_strides(qweight, tiled, block_k, bits), strict=True))
+    return dict(qw_ptr=qweight, **strides, **quant_args(scales, zeros))

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels import gluon_sm90
-from repack.runtime.kernels.common import TL_DTYPES, expert_of, projection_args, quant_params, word_mask
+from repack.runtime.kernels.common import TL_DTYPES, expert_of, projection_args, quant_params, word_mask, word_rows
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.kernels.routing import route_tokens
 from repack.runtime.weights import MoeWeights
@@ -96,9 +96,9 @@ def _block_dot(acc, scale, words, zero, x0, x1, x2, x3, x4, x5, x6, x7, field_ma
 
 
 @triton.jit
-def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, N, n_mask,
-               offs_w, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, stride_step, group_len, stride_s_g, N,
+               n_mask, offs_w, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr,
+               EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Gate and up words, scales and zeros of the K block at ``k0``.
 
     A block past the program's K range (a prefetch the loop never uses) reads its last block ``k_last`` again
@@ -106,8 +106,9 @@ def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, g
     VALS: tl.constexpr = 32 // BITS
     k0 = tl.minimum(k0, k_last)
     mask = word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
-    gate = tl.load(gate_ptrs + k0 // VALS, mask=mask, other=0)
-    up = tl.load(up_ptrs + k0 // VALS, mask=mask, other=0)
+    step = k0 // BLOCK_K * stride_step
+    gate = tl.load(gate_ptrs + step, mask=mask, other=0)
+    up = tl.load(up_ptrs + step, mask=mask, other=0)
     group = k0 // group_len
     scale_g, zero_g = quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
     scale_u, zero_u = quant_params(scale_ptrs + N, zero_ptrs + N, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO,
@@ -116,14 +117,14 @@ def _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, g
 
 
 @triton.jit
-def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, group_len, stride_s_g, n_mask, offs_w,
+def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, stride_step, group_len, stride_s_g, n_mask, offs_w,
               BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Words, scales and zeros of the K block at ``k0`` (past the range: block ``k_last``, as in _w13_block)."""
     VALS: tl.constexpr = 32 // BITS
     k0 = tl.minimum(k0, k_last)
     mask = word_mask(n_mask, offs_w, k0 // VALS, k_words, EVEN_K)
-    words = tl.load(w_ptrs + k0 // VALS, mask=mask, other=0)
+    words = tl.load(w_ptrs + k0 // BLOCK_K * stride_step, mask=mask, other=0)
     group = k0 // group_len
     scale, zero = quant_params(scale_ptrs, zero_ptrs, group, stride_s_g, n_mask, HAS_ZEROS, SYM_ZERO, BLOCK_N)
     return words, scale, zero
@@ -252,7 +253,7 @@ def _w13_decode_kernel(
     # sizes (and the field mask and exponent bits, in registers: see _term)
     num_experts, N, K, k_pad, i_pad, group_len, blocks_per_split, field_mask, magic,
     # strides
-    stride_qw_e, stride_qw_n, stride_s_e, stride_s_g,
+    stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g,
     # the stack and the activations
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
@@ -278,8 +279,9 @@ def _w13_decode_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    gate_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
-    up_ptrs = gate_ptrs + N * stride_qw_n
+    expert_words = qw_ptr + expert * stride_qw_e + offs_w[None, :]
+    gate_ptrs = expert_words + word_rows(offs_n, stride_qw_band, stride_qw_row)[:, None]
+    up_ptrs = expert_words + word_rows(offs_n + N, stride_qw_band, stride_qw_row)[:, None]
     scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
     k_words = K // VALS
@@ -288,18 +290,21 @@ def _w13_decode_kernel(
     acc_up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     # The first block (and the second when PREFETCH == 2) before the loop; the loop loads k0 + PREFETCH*BLOCK_K.
     gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last,
-                                                      k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
-                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+                                                      k_words, stride_qw_step, group_len, stride_s_g, N, n_mask,
+                                                      offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                                      BLOCK_K)  # fmt: skip
     gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K,
-                                                      k_last, k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
-                                                      HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+                                                      k_last, k_words, stride_qw_step, group_len, stride_s_g, N,
+                                                      n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                                      BLOCK_K)  # fmt: skip
     x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(xp_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ahead = k0 + PREFETCH * BLOCK_K
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
         gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, k_last,
-                                                          k_words, group_len, stride_s_g, N, n_mask, offs_w, BITS,
-                                                          HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+                                                          k_words, stride_qw_step, group_len, stride_s_g, N, n_mask,
+                                                          offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                                          BLOCK_K)  # fmt: skip
         n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(xp_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
         acc_gate = _block_dot(acc_gate, sg_0, gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         acc_up = _block_dot(acc_up, su_0, up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
@@ -333,7 +338,7 @@ def _w2_decode_kernel(
     # sizes (and the field mask and exponent bits, in registers: see _term)
     num_experts, N, K, i_pad, group_len, blocks_per_split, field_mask, magic,
     # strides
-    stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_out,
     # the stack and the activations
     TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
@@ -353,23 +358,25 @@ def _w2_decode_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    w_ptrs = qw_ptr + expert * stride_qw_e + offs_n[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    w_ptrs = qw_ptr + expert * stride_qw_e + word_rows(offs_n, stride_qw_band, stride_qw_row)[:, None] + offs_w[None, :]
     scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
     xp_row = pair.to(tl.int64) * i_pad
     k_words = K // VALS
     k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, group_len, stride_s_g, n_mask,
-                              offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, group_len, stride_s_g,
-                              n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, stride_qw_step, group_len,
+                              stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                              BLOCK_K)  # fmt: skip
+    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, stride_qw_step,
+                              group_len, stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                              BLOCK_K)  # fmt: skip
     x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(inter_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, k_last, k_words, group_len,
-                                  stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
-                                  BLOCK_K)  # fmt: skip
+        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, k_last, k_words,
+                                  stride_qw_step, group_len, stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO,
+                                  EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
         n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(inter_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
         acc = _block_dot(acc, s_0, w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         if PREFETCH == 2:
@@ -517,12 +524,16 @@ def launch(
         **order,
     )
     views = scratch.views
-    args13 = projection_args(weights.w13_qweight, weights.w13_scales, weights.w13_zeros)
+    args13 = projection_args(
+        weights.w13_qweight, weights.w13_scales, weights.w13_zeros, weights.tiled, block_k, weights.bits
+    )
     args13.update(xp_ptr=xp, inter_ptr=views["inter"], sums_ptr=views["gate_up_sums"], N=n_inter, K=h, k_pad=k_pad)
     args13.update(arrivals_ptr=views["gate_up_arrivals"], group_len=weights.group_len(h), blocks_per_split=per_slice13)
     args13.update(HAS_PERM=has_perm, EVEN_K=h % block_k == 0, SPLIT_K=slices13 > 1)
     _w13_decode_kernel[(num_pairs, tiles13, slices13)](**args13, **shared)
-    args2 = projection_args(weights.w2_qweight, weights.w2_scales, weights.w2_zeros)
+    args2 = projection_args(
+        weights.w2_qweight, weights.w2_scales, weights.w2_zeros, weights.tiled, block_k, weights.bits
+    )
     args2.update(inter_ptr=views["inter"], topk_weights_ptr=topk_weights, out_ptr=out, stride_out=out.stride(0))
     args2.update(sums_ptr=views["out_sums"], arrivals_ptr=views["out_arrivals"], N=h, K=n_inter)
     args2.update(group_len=weights.group_len(n_inter), blocks_per_split=per_slice2)

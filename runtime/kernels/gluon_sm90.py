@@ -54,7 +54,7 @@ from repack.runtime.kernels import weight_major
 from repack.runtime.kernels.act_order import gather_act_order
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.backend import interpreter_active
-from repack.runtime.kernels.common import tile_ids
+from repack.runtime.kernels.common import tile_ids, word_rows, word_strides
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.weights import MoeWeights
 
@@ -113,10 +113,11 @@ PERSISTENT_16 = GluonTile(16, 64, 1, 4, per_sm=4)
 
 
 def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> bool:
-    """Whether the warp-specialized kernels run ``tile`` without spilling: at 4 programs per SM (64 registers a
-    thread) symmetric stacks do, in fp16 and in bf16; a step-scaled sum (:func:`scale_after`: bf16's, or fp16's on
-    request) fits there only beside a producer of 32 registers (gluon_ws_sm90.PRODUCER_REGS, 36 spilled loads and
-    stores beside 40), asymmetric zeros not at all (tests/runtime/test_gluon_ws_compile_sm90.py compiles each case
+    """Whether the warp-specialized kernels run ``tile`` without spilling in their K loops: at 4 programs per SM (64
+    registers a thread) symmetric stacks do, in fp16 and in bf16; a step-scaled sum (:func:`scale_after`: bf16's, or
+    fp16's on request) fits there only beside a producer of 32 registers (gluon_ws_sm90.PRODUCER_REGS, 36 spilled
+    loads and stores beside 40; on tiled words 16 bytes once per tile, KERNEL_NOTES.md item 30), asymmetric zeros not
+    at all (tests/runtime/test_gluon_ws_compile_sm90.py compiles each case
     this admits). Act-order stacks only with their rows gathered first (:data:`ACT_ORDER_GATHER`): these kernels
     have no column gather."""
     from repack.runtime.kernels import gluon_ws_sm90  # it imports this module
@@ -391,24 +392,26 @@ if available():
         return x_stage.slice(c // 4 * BLOCK_M, BLOCK_M).slice(c % 4 * 16, 16, dim=1).permute((1, 0))
 
     @gluon.jit
-    def _copy_step(w_stage, x_stage, w_rows, w_ok, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M: gl.constexpr,
-                   HAS_PERM: gl.constexpr):  # fmt: skip
+    def _copy_step(w_stage, x_stage, w_rows, w_ok, stride_step, token_rows, pair_mask, perm_row_ptr, k0,
+                   BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr):  # fmt: skip
         """cp.async one K step into a ring stage, as one commit group: the [rows, 16] words (16 bytes a thread) and
         the [2 * BLOCK_M, 64] activations (see :func:`_copy_x`)."""
         offs_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_copy_layout(gl.num_warps())))
-        async_copy.async_copy_global_to_shared(w_stage, w_rows + k0 // 8 + gl.expand_dims(offs_w, 0), mask=w_ok)
+        words = w_rows + k0 // 128 * stride_step + gl.expand_dims(offs_w, 0)
+        async_copy.async_copy_global_to_shared(w_stage, words, mask=w_ok)
         _copy_x(x_stage, token_rows, pair_mask, perm_row_ptr, k0, BLOCK_M, HAS_PERM)
 
     @gluon.jit
-    def _k_loop(w_rows, w_ok, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask, perm_row_ptr, K,
-                stride_s_g, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
+    def _k_loop(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask, perm_row_ptr,
+                K, stride_s_g, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
                 HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr,
                 STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr):  # fmt: skip
         """acc [ROWS, BLOCK_M] = W[rows, :] @ X[:, pairs] for one program: the loop both GEMMs share.
 
         A ring of STAGES K steps (words and activations, cp.async) runs STAGES - 2 steps ahead of the MMAs: the
         bytes in flight, not the MMA, set the speed of a memory-bound GEMM. ``w_rows`` [ROWS, 1] points at each
-        weight row's first word (copy layout), ``w_ok`` its mask."""
+        weight row's first word (copy layout), ``w_ok`` its mask, ``stride_step`` the words from one K step to the
+        next (kernels.common.word_strides)."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         IS_FP16: gl.constexpr = dtype == gl.float16
         x_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
@@ -423,7 +426,7 @@ if available():
         num_steps = K // 128  # steps clamp in step units: their word offsets stay 64-byte aligned (16-byte copies)
         AHEAD: gl.constexpr = STAGES - 2  # steps in flight; one more stage is still read by the last wgmma
         for s in gl.static_range(AHEAD):
-            _copy_step(w_smem.index(s), x_smem.index(s), w_rows, w_ok, token_rows, pair_mask, perm_row_ptr,
+            _copy_step(w_smem.index(s), x_smem.index(s), w_rows, w_ok, stride_step, token_rows, pair_mask, perm_row_ptr,
                        gl.minimum(s, num_steps - 1) * 128, BLOCK_M, HAS_PERM)  # fmt: skip
             async_copy.commit_group()
         for step in range(num_steps):
@@ -437,8 +440,8 @@ if available():
             # + AHEAD overwrites right away, before this step reads anything (so no other barrier is needed).
             gl.thread_barrier()
             ahead = (step + AHEAD) % STAGES
-            _copy_step(w_smem.index(ahead), x_smem.index(ahead), w_rows, w_ok, token_rows, pair_mask, perm_row_ptr,
-                       gl.minimum(step + AHEAD, num_steps - 1) * 128, BLOCK_M, HAS_PERM)  # fmt: skip
+            _copy_step(w_smem.index(ahead), x_smem.index(ahead), w_rows, w_ok, stride_step, token_rows, pair_mask,
+                       perm_row_ptr, gl.minimum(step + AHEAD, num_steps - 1) * 128, BLOCK_M, HAS_PERM)  # fmt: skip
             async_copy.commit_group()
             here = step % STAGES
             low, high = _step_words(w_smem.index(here), ROWS)
@@ -474,12 +477,12 @@ if available():
         return gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + j), 0)
 
     @gluon.jit
-    def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n):
-        """Each weight row's first word [rows, 1] and its mask, in the copy layout."""
+    def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row):
+        """Each weight row's first word [rows, 1] and its mask, in the copy layout (kernels.common.word_strides)."""
         W_COPY_LAYOUT: gl.constexpr = w_copy_layout(gl.num_warps())
         rows = gl.convert_layout(rows, gl.SliceLayout(1, W_COPY_LAYOUT))
         ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, W_COPY_LAYOUT))
-        w_rows = qw_ptr + expert * stride_qw_e + gl.expand_dims(rows.to(gl.int64) * stride_qw_n, 1)
+        w_rows = qw_ptr + expert * stride_qw_e + gl.expand_dims(word_rows(rows, stride_qw_band, stride_qw_row), 1)
         return w_rows, gl.expand_dims(ok, 1)
 
     @gluon.jit
@@ -501,7 +504,7 @@ if available():
         x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
         sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, zero_ptr,
         num_pairs, num_pid_m, N, K, zero_numel,
-        stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+        stride_x, stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_inter,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         HAS_PERM: gl.constexpr, ZERO_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
@@ -523,9 +526,9 @@ if available():
             channels = pid_n * BLOCK_N + offs_r % BLOCK_N
             rows = channels + (offs_r // BLOCK_N) * N
             rows_ok = channels < N
-            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n)
+            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row)
             token_rows = x_ptr + (pairs // TOP_K).to(gl.int64) * stride_x
-            acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
+            acc = _k_loop(w_rows, w_ok, stride_qw_step, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K,
                           K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM,
                           STAGES, SCALE_AFTER)  # fmt: skip
@@ -542,7 +545,7 @@ if available():
         inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
         sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
         num_pairs, num_pid_m, N, K,
-        stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+        stride_inter, stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_out,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
@@ -558,9 +561,9 @@ if available():
         if live:
             rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
             rows_ok = rows < N
-            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_n)
+            w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row)
             token_rows = inter_ptr + pairs.to(gl.int64) * stride_inter
-            acc = _k_loop(w_rows, w_ok, rows_ok, scales_ptr + expert * stride_s_e,
+            acc = _k_loop(w_rows, w_ok, stride_qw_step, rows_ok, scales_ptr + expert * stride_s_e,
                           zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K,
                           stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False,
                           STAGES, SCALE_AFTER)  # fmt: skip
@@ -646,7 +649,7 @@ def launch(
     _w13_kernel[grid13](
         x, w13, s13, zeros13, perm, inter, *row_args[:3], target, *row_args[3:], n_inter, h,
         target.numel() if zero_out else 0,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
+        x.stride(0), *word_strides(w13, weights.tiled), s13.stride(0), s13.stride(1), inter.stride(0),
         **launch_constants(tile, "w13", top_k=1 if x_per_pair else top_k, group_len=weights.group_len(h),
                            has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out, dtype=x.dtype),
     )  # fmt: skip
@@ -671,7 +674,7 @@ def launch_w2(
     grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](
         inter, w2, s2, zeros2, topk_weights, target, *row_args, h, n_inter,
-        inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), target.stride(0),
+        inter.stride(0), *word_strides(w2, weights.tiled), s2.stride(0), s2.stride(1), target.stride(0),
         **launch_constants(tile, "w2", top_k=topk_ids.shape[1], group_len=weights.group_len(n_inter),
                            has_zeros=weights.w2_zeros is not None, atomic=reduce != "pairs", dtype=inter.dtype),
     )  # fmt: skip

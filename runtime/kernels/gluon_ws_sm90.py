@@ -25,7 +25,8 @@ wave. Here:
 
 gluon_sm90's family runs these for a tile with ``per_sm`` set (runtime/kernel_config.py; benchmarks/probe_gluon_ws.py
 measures them against gluon_sm90's kernels on the same calls, KERNEL_NOTES items 25-26). Layout of the words: the
-``mma128`` stacks of formats/SPEC.md section 3, read through a 2-D view ``[experts * rows, K / 8]`` int32.
+``mma128_tiles`` stacks of formats/SPEC.md section 3 (each box one contiguous 4 KB tile, read through the 2-D view
+``[tiles * 64, 16]``), or ``mma128`` rows (each box 64 runs of 64 bytes, through ``[experts * rows, K / 8]``).
 """
 
 from __future__ import annotations
@@ -85,19 +86,16 @@ W_TMA_LAYOUT = (
 W2_PERSISTENT_MIN_K = 1024
 # Registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg. 32, not 40: the
 # producer needs no more (24 spills it), and what it leaves lets a step-scaled sum (bf16's) run at 4 programs per SM
-# without spilling (gluon_sm90.persistent_fits): bf16 on the H100, Mixtral M = 16 285 against 316 us at 3 programs,
-# Qwen2-57B M = 4 151 against 159; fp16's code and time unchanged (KERNEL_NOTES.md item 27).
+# (gluon_sm90.persistent_fits): bf16 on the H100, Mixtral M = 16 285 against 316 us at 3 programs, Qwen2-57B M = 4
+# 151 against 159; fp16's code and time unchanged (KERNEL_NOTES.md item 27). On tiled words that bf16 consumer spills
+# 16 bytes, once per tile and never in its K loop (item 30).
 PRODUCER_REGS = 32
+ROOMY_PRODUCER_REGS = 40  # where 2 programs share an SM (maxnreg 128): see producer_regs
 # w2 (where its sum is added into the target, reduce "out"/"atomic") splits the flattened (tile, K step) work into one
 # equal range per program (stream-K) instead of dealing whole tiles round-robin: a few live tiles of long K (Mixtral
 # at M = 1-4: 128-352 tiles of 112 steps for 528 programs) left most programs idle, a partial last wave cost up to a
 # tile's time elsewhere (KERNEL_NOTES.md item 26). A program's range ends mid-tile: its partial sum is added as is.
 W2_STREAM_K = True
-# A probe switch, not a format: the words re-laid tile-major once per stack (each [64 rows, one K step] box one
-# contiguous 4 KB run; the format's rows give 64 runs of 64 bytes at the row stride), to tell whether the weight
-# streaming loses to the layout (KERNEL_NOTES.md item 28). The copy lives on the words tensor: a probe's first,
-# eager call makes it. A format change follows only if it measures.
-TILE_MAJOR_WORDS = False
 # w2's weight rows per tile: 128, two boxes of words a K step as w13's gate and up boxes, so the consumer's fixed cost
 # per step (barrier wait, fence, activations from shared memory) moves twice the bytes. H100, same process as Marlin
 # (KERNEL_NOTES.md item 29): w2 at M = 4-64 against 64 rows 3-10% faster (DeepSeek-V3 M = 16 309 -> 281 us,
@@ -140,15 +138,15 @@ if gluon_sm90.available():
     def _producer(w_desc, src_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready, empty,
                   num_pairs, rows_per_expert, N, box_stride, K, stride_src, ROW_DIV: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr,
-                  STREAM_K: gl.constexpr,
-                  TILE_MAJOR: gl.constexpr):  # fmt: skip
+                  STREAM_K: gl.constexpr, TILES: gl.constexpr):  # fmt: skip
         """The worker partition: every K step of every tile of this program into the ring. A stage is ready when
         its TMA bytes (BOXES boxes of words) and each lane's cp.async copies (the activations) have landed.
 
         ``src_ptr`` rows hold the activations (x, one row per token: ROW_DIV = top-k; or inter, one per pair:
         ROW_DIV = 1). A tile's boxes lie ``box_stride`` rows apart: w13's gate rows and, N rows further, its up rows
-        (BOXES = 2); w2's 64 or 128 consecutive rows (BOXES = 1, 2; stride 64). TILE_MAJOR: the
-        words as :data:`TILE_MAJOR_WORDS` lays them, box (rows r..r+63, step s) at row (r / 64 * steps + s) * 64."""
+        (BOXES = 2); w2's 64 or 128 consecutive rows (BOXES = 1, 2; stride 64). TILES: "mma128_tiles" words, the box
+        of rows r..r+63 and step s at row (r / 64 * steps + s) * 64 of the tiles' 2-D view (:func:`words_descriptor`);
+        else "mma128" rows, at (r, 16 s)."""
         STAGES: gl.constexpr = w_smem.shape[0]
         X_PARTS: gl.constexpr = x_parts(BLOCK_M, gl.num_warps())
         PART_ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS
@@ -174,11 +172,10 @@ if gluon_sm90.available():
                 mbarrier.expect(ready.index(stage), BOXES * w_desc.block_type.nbytes)
                 w_stage = w_smem.index(stage)
                 for box in gl.static_range(BOXES):
-                    row = row0 + box * box_stride
-                    if TILE_MAJOR:
-                        coords = [(row // _BOX_ROWS * num_steps + step) * _BOX_ROWS, 0]
+                    if TILES:  # row r (a multiple of 64) at r * steps, step s 64 rows further
+                        coords = [(row0 + box * box_stride) * num_steps + step * _BOX_ROWS, 0]
                     else:
-                        coords = [row, step * 16]
+                        coords = [row0 + box * box_stride, step * 16]
                     tma.async_copy_global_to_shared(w_desc, coords, ready.index(stage),
                                                     w_stage.slice(box * _BOX_ROWS, _BOX_ROWS))  # fmt: skip
                 it += 1
@@ -316,7 +313,7 @@ if gluon_sm90.available():
         zero_ptr, num_pairs, N, K, zero_numel, stride_x, stride_s_e, stride_s_g, stride_inter,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ZERO_OUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, TILE_MAJOR: gl.constexpr,
+        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, TILES: gl.constexpr,
     ):  # fmt: skip
         """inter = silu(x W_gate^T) * (x W_up^T) over the aligned blocks; with ZERO_OUT also ``zero_ptr[:zero_numel]
         = 0`` (the target w2 adds the top-k into)."""
@@ -331,7 +328,7 @@ if gluon_sm90.available():
                              GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE)),
             (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
                          empty, num_pairs, 2 * N, N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
-                         2 * BLOCK_N // _BOX_ROWS, False, TILE_MAJOR)),
+                         2 * BLOCK_N // _BOX_ROWS, False, TILES)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
 
@@ -342,7 +339,7 @@ if gluon_sm90.available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, STREAM_K: gl.constexpr,
-        TILE_MAJOR: gl.constexpr,
+        TILES: gl.constexpr,
     ):  # fmt: skip
         """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
         the (tile, K step) work)."""
@@ -356,7 +353,7 @@ if gluon_sm90.available():
                             GROUP_M, SCALE_AFTER, DTYPE, STREAM_K)),
             (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
                          ready, empty, num_pairs, N, N, _BOX_ROWS, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
-                         BLOCK_N // _BOX_ROWS, STREAM_K, TILE_MAJOR)),
+                         BLOCK_N // _BOX_ROWS, STREAM_K, TILES)),
         ], [1], [PRODUCER_REGS])
         # fmt: on
 
@@ -366,22 +363,20 @@ if gluon_sm90.available():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def words_descriptor(qweight: torch.Tensor, tile_major: bool = False) -> TensorDescriptor:
-    """The TMA view of a stack's words: [experts * rows, K / 8] int32 in boxes of [BOX_ROWS, 16] (one K step);
-    ``tile_major``: of :func:`tile_major_words`, [experts * rows / 64 * K / 128 * 64, 16]."""
-    view = tile_major_words(qweight) if tile_major else qweight.reshape(-1, qweight.shape[-1])
+def words_descriptor(qweight: torch.Tensor, tiled: bool) -> TensorDescriptor:
+    """The TMA view of a stack's words in boxes of [BOX_ROWS, 16] (one K step): "mma128_tiles" ``[E, R/64, K/128,
+    64, 16]`` as ``[E * R/64 * K/128 * 64, 16]`` (``tiled``: each box one tile), "mma128" ``[E, R, K/8]`` as
+    ``[E * R, K/8]``. A view (``view`` raises on words that are not one dense run: never a hidden copy per call)."""
+    view = qweight.view(-1, 16) if tiled else qweight.view(-1, qweight.shape[-1])
     return TensorDescriptor.from_tensor(view, [BOX_ROWS, 16], W_TMA_LAYOUT.value)
 
 
-def tile_major_words(qweight: torch.Tensor) -> torch.Tensor:
-    """[E, R, K / 8] words as [E * R / 64 * K / 128 * 64, 16], each (64 rows, K step) box contiguous: the probe's
-    layout (:data:`TILE_MAJOR_WORDS`), made once per words tensor and kept on it (freed with it)."""
-    tiled = getattr(qweight, "_tile_major_words", None)
-    if tiled is None:
-        experts, rows, words = qweight.shape
-        boxes = qweight.reshape(experts, rows // BOX_ROWS, BOX_ROWS, words // 16, 16).transpose(2, 3)
-        tiled = qweight._tile_major_words = boxes.contiguous().view(-1, 16)
-    return tiled
+def producer_regs(tile: GluonTile) -> int:
+    """The producer warpgroup's registers for ``tile``: :data:`PRODUCER_REGS`, or ROOMY_PRODUCER_REGS where at most
+    two programs share an SM; there the consumer keeps 88 of its 128 registers, and at 32 the w2 producer of tiled
+    words spilled 8 bytes (its stream-K bounds beside the tile coordinates; tests/runtime/test_gluon_ws_compile_sm90.py
+    compiles both)."""
+    return max(PRODUCER_REGS, ROOMY_PRODUCER_REGS) if tile.per_sm <= 2 else PRODUCER_REGS
 
 
 def programs(tiles: int, device: torch.device, per_sm: int) -> int:
@@ -413,15 +408,16 @@ def launch(
     has_zeros = weights.w13_zeros is not None
     s13 = weights.w13_scales
     common = dict(SYM_ZERO=8, HAS_ZEROS=has_zeros, BLOCK_M=tile.block_m, GROUP_M=tile.group_m, STAGES=tile.stages,
-                  SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                  TILES=weights.tiled,
+                  SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=producer_regs(tile), num_warps=4,
                   maxnreg=PERSISTENT_REGISTERS[tile.per_sm])  # fmt: skip
     grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, 64), x.device, tile.per_sm),)
     _w13_ws_kernel[grid13](
-        words_descriptor(weights.w13_qweight, TILE_MAJOR_WORDS), x, s13, zeros13, inter, rows.sorted_pairs,
+        words_descriptor(weights.w13_qweight, weights.tiled), x, s13, zeros13, inter, rows.sorted_pairs,
         rows.block_experts,
         rows.num_blocks, target, num_pairs, n_inter, h, target.numel() if atomic else 0, x.stride(0), s13.stride(0),
         s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
-        ZERO_OUT=atomic, BLOCK_N=64, TILE_MAJOR=TILE_MAJOR_WORDS, **common,
+        ZERO_OUT=atomic, BLOCK_N=64, **common,
     )  # fmt: skip
     if n_inter < W2_PERSISTENT_MIN_K:
         gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, replace(tile, per_sm=0), reduce)
@@ -434,9 +430,9 @@ def launch(
         work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
     grid2 = (programs(work2, x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
-        words_descriptor(weights.w2_qweight, TILE_MAJOR_WORDS), inter, s2, zeros2, topk_weights, target,
+        words_descriptor(weights.w2_qweight, weights.tiled), inter, s2, zeros2, topk_weights, target,
         rows.sorted_pairs,
         rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0), s2.stride(0), s2.stride(1),
         target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=W2_ROWS,
-        STREAM_K=stream_k, TILE_MAJOR=TILE_MAJOR_WORDS, **common,
+        STREAM_K=stream_k, **common,
     )  # fmt: skip

@@ -35,7 +35,7 @@ from repack.runtime.kernels.common import (
     TL_DTYPES,
     block_rows,
     launch_tiles,
-    projection_args,
+    quant_args,
     quant_params,
     tile_ids,
     word_mask,
@@ -204,6 +204,12 @@ def _w2_kernel(
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :], acc.to(ACT_DTYPE), mask=mask)
 
 
+def _projection_args(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> dict:
+    """``qw_ptr`` (row-major words [E, N, K/VALS], any word width) with its expert and row strides, and
+    :func:`quant_args`."""
+    return dict(qw_ptr=words, stride_qw_e=words.stride(0), stride_qw_n=words.stride(1), **quant_args(scales, zeros))
+
+
 def launch(
     x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
     weights: MoeWeights,
@@ -217,8 +223,8 @@ def launch(
     """w13 then w2 over the aligned blocks: ``target`` gets each pair's weighted row (or the token's atomic sum)."""
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     # the words as int16, four (4-bit) or two (8-bit) consecutive inputs each: [E, 2I, H/VALS] and [E, H, I/VALS]
-    args13 = projection_args(weights.w13_qweight.view(torch.int16), weights.w13_scales, weights.w13_zeros)
-    args2 = projection_args(weights.w2_qweight.view(torch.int16), weights.w2_scales, weights.w2_zeros)
+    args13 = _projection_args(weights.w13_qweight.view(torch.int16), weights.w13_scales, weights.w13_zeros)
+    args2 = _projection_args(weights.w2_qweight.view(torch.int16), weights.w2_scales, weights.w2_zeros)
     act_dtype = TL_DTYPES[x.dtype]
     stack = dict(
         TOP_K=topk_ids.shape[1],

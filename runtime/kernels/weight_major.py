@@ -39,10 +39,18 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.formats.stacks import MMA128_BLOCK, MMA128_ORDER, choose_word_order
+from repack.formats.stacks import MMA128_BLOCK, MMA_ORDERS, choose_word_order
 from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels.align import Alignment
-from repack.runtime.kernels.common import TL_DTYPES, block_rows, expert_of, launch_tiles, projection_args, tile_ids
+from repack.runtime.kernels.common import (
+    TL_DTYPES,
+    block_rows,
+    expert_of,
+    launch_tiles,
+    projection_args,
+    tile_ids,
+    word_rows,
+)
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.weights import MoeWeights
 
@@ -57,8 +65,8 @@ BF16_SCALES_IN_WEIGHTS = True
 
 def supports(bits: int, hidden_size: int, intermediate_size: int, group_size: int) -> bool:
     """Whether these kernels can run a stack (else fused_moe uses the gptq-order kernels): exactly the
-    stacks the converter writes in mma128 order, whose rule is this kernel's K step of 128 (SPEC.md section 3)."""
-    return choose_word_order(bits, hidden_size, intermediate_size, group_size) == MMA128_ORDER
+    stacks the converter writes in an mma128 order, whose rule is this kernel's K step of 128 (SPEC.md section 3)."""
+    return choose_word_order(bits, hidden_size, intermediate_size, group_size) in MMA_ORDERS
 
 
 def nibble_major(x: torch.Tensor) -> torch.Tensor:
@@ -209,13 +217,14 @@ def _step_quant(scales_ptr, zeros_ptr, rows, k0, stride_s_g, row_mask, GROUP_LEN
 
 
 @triton.jit
-def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pair_mask, K, stride_s_g,
+def _k_loop(acc, w_ptrs, stride_step, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pair_mask, K, stride_s_g,
             GROUP_LEN: tl.constexpr, HAS_ZEROS: tl.constexpr, SYM_ZERO: tl.constexpr, ACT_DTYPE: tl.constexpr,
             SCALE_ACC: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr,
             QUANT_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr):  # fmt: skip
     """acc [rows, BLOCK_M] += W[rows, :] @ A[:, pairs]: the K loop both GEMMs share.
 
-    ``w_ptrs`` [rows, 8] (mma128: half a K step per load) or [rows, 16] (gptq) int32 words of the first step;
+    ``w_ptrs`` [rows, 8] (mma128: half a K step per load) or [rows, 16] (gptq) int32 words of the first step,
+    ``stride_step`` words from there to the next step's (kernels.common.word_strides);
     ``a_cols`` [1, BLOCK_M] the activation rows of the block's pairs. SCALE_ACC: exact ``q - zero`` weights,
     the K step's sum scaled once per row in fp32 (bf16); else fp16 weights scaled as dequantized.
 
@@ -254,7 +263,7 @@ def _k_loop(acc, w_ptrs, a_cols, perm_row, scales_e, zeros_e, rows, row_mask, pa
         acc = acc + part * scale.to(tl.float32)[:, None] if SCALE_ACC else part
         if QUANT_AHEAD:
             scale, zero_f, zero_odd = next_quant
-        w_ptrs += 16
+        w_ptrs += stride_step
     return acc
 
 
@@ -266,7 +275,7 @@ def _w13_weight_major_kernel(
     # sizes
     num_pairs, num_pid_m, num_experts, N, K,
     # strides
-    stride_x, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_inter,
+    stride_x, stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_inter,
     # the stack and the activations
     TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, NIBBLE_MAJOR_X: tl.constexpr, ACT_DTYPE: tl.constexpr,
@@ -294,10 +303,10 @@ def _w13_weight_major_kernel(
     rows = channels + offs_r // BLOCK_N * N  # gate rows, then the up rows of the same channels
     WORDS_PER_LOAD: tl.constexpr = 8 if MMA_ORDER else 16
     offs_w = tl.arange(0, WORDS_PER_LOAD)
-    w_ptrs = qw_ptr + expert * stride_qw_e + rows[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    w_ptrs = qw_ptr + expert * stride_qw_e + word_rows(rows, stride_qw_band, stride_qw_row)[:, None] + offs_w[None, :]
     acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
     x_cols = x_ptr + tokens[None, :] * stride_x
-    acc = _k_loop(acc, w_ptrs, x_cols, perm_ptr + expert * K, scales_ptr + expert * stride_s_e,
+    acc = _k_loop(acc, w_ptrs, stride_qw_step, x_cols, perm_ptr + expert * K, scales_ptr + expert * stride_s_e,
                   zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K, stride_s_g, GROUP_LEN, HAS_ZEROS,
                   SYM_ZERO, ACT_DTYPE, SCALE_ACC, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X, QUANT_AHEAD,
                   INLINE_PTX)  # fmt: skip
@@ -317,7 +326,7 @@ def _w2_weight_major_kernel(
     # sizes
     num_pairs, num_pid_m, num_experts, N, K,
     # strides
-    stride_inter, stride_qw_e, stride_qw_n, stride_s_e, stride_s_g, stride_out,
+    stride_inter, stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_out,
     # the stack and the activations
     TOP_K: tl.constexpr, GROUP_LEN: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
     MMA_ORDER: tl.constexpr, ACT_DTYPE: tl.constexpr,
@@ -337,9 +346,9 @@ def _w2_weight_major_kernel(
     row_mask = rows < N
     WORDS_PER_LOAD: tl.constexpr = 8 if MMA_ORDER else 16
     offs_w = tl.arange(0, WORDS_PER_LOAD)
-    w_ptrs = qw_ptr + expert * stride_qw_e + rows[:, None].to(tl.int64) * stride_qw_n + offs_w[None, :]
+    w_ptrs = qw_ptr + expert * stride_qw_e + word_rows(rows, stride_qw_band, stride_qw_row)[:, None] + offs_w[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc = _k_loop(acc, w_ptrs, inter_ptr + pairs[None, :].to(tl.int64) * stride_inter, inter_ptr,
+    acc = _k_loop(acc, w_ptrs, stride_qw_step, inter_ptr + pairs[None, :].to(tl.int64) * stride_inter, inter_ptr,
                   scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e, rows, row_mask, pair_mask, K,
                   stride_s_g, GROUP_LEN, HAS_ZEROS, SYM_ZERO, ACT_DTYPE, SCALE_ACC, False, MMA_ORDER, True,
                   QUANT_AHEAD, INLINE_PTX)  # fmt: skip
@@ -409,10 +418,10 @@ def launch(
     )
     shared = dict(**blocks, **stack, **switches, topk_ids_ptr=topk_ids, num_pairs=num_pairs, num_pid_m=num_pid_m)
     shared.update(num_experts=weights.num_experts)
-    args13 = projection_args(weights.w13_qweight, weights.w13_scales, weights.w13_zeros)
+    args13 = projection_args(weights.w13_qweight, weights.w13_scales, weights.w13_zeros, weights.tiled)
     args13.update(x_ptr=x_in, inter_ptr=inter, N=n_inter, K=h, stride_x=x_in.stride(0), stride_inter=inter.stride(0))
     args13.update(perm_ptr=weights.w13_perm if has_perm else topk_ids, HAS_PERM=has_perm, NIBBLE_MAJOR_X=nibble_major_x)
-    args2 = projection_args(weights.w2_qweight, weights.w2_scales, weights.w2_zeros)
+    args2 = projection_args(weights.w2_qweight, weights.w2_scales, weights.w2_zeros, weights.tiled)
     args2.update(
         inter_ptr=inter, out_ptr=target, N=h, K=n_inter, stride_inter=inter.stride(0), stride_out=target.stride(0)
     )

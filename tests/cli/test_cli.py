@@ -35,7 +35,7 @@ def test_convert_quiet_is_silent_and_inspect_shows_stacks(tmp_path):
     assert result.stdout == "" and result.stderr == ""
     shown = run_cli("inspect", out)
     assert shown.exit_code == 0
-    for text in ("repack-moe v2", "qwen3_moe", "routed", "4-bit, group 128", SRC.name, "0.1.0", "mma128"):
+    for text in ("repack-moe v3", "qwen3_moe", "routed", "4-bit, group 128", SRC.name, "0.1.0", "mma128"):
         assert text in shown.stdout, text
 
 

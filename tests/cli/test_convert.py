@@ -38,7 +38,7 @@ def test_fixture_converts_and_verifies(fixture, tmp_path):
         assert not (out / name).exists()
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     source_quant = json.loads((fixture / "config.json").read_text())["quantization_config"]
-    assert quant["quant_method"] == "repack" and quant["format_version"] == 2
+    assert quant["quant_method"] == "repack" and quant["format_version"] == 3
     assert quant["source_quantization_config"] == source_quant
 
 

@@ -66,7 +66,8 @@ def markup_output(tmp_path_factory) -> Path:
 def test_dry_run_shows_markup_names_as_they_are(tmp_path):
     extra = {name: torch.zeros(4, dtype=torch.float16) for name in MARKUP_TENSORS}
     source = edited_source(tmp_path / "src", tensors=extra)
-    run = run_repack("convert", source, tmp_path / "out", "--dry-run")
+    # wide enough for whole names: at 80 columns the tensor column alone gives way (an ellipsis), as designed
+    run = run_repack("convert", source, tmp_path / "out", "--dry-run", env=WIDE)
     assert run.returncode == 0, run.stderr[-3000:]
     for name in MARKUP_TENSORS:
         assert name in run.stdout

@@ -1,4 +1,5 @@
-"""Format v2's "mma128" word order: its definition, the exact converters, stacks in it, and v1 compatibility."""
+"""The "mma128" word order (v2) and its tiles (v3): definitions, the exact converters, stacks in them, and v1/v2
+compatibility."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from repack.formats.stacks import (
     StackInfoError,
     choose_word_order,
     dequantize_stack,
+    from_tiles,
     from_word_order,
+    to_tiles,
     to_word_order,
     transpose_from_word_order,
     transpose_to_word_order,
@@ -37,8 +40,31 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def test_constants():
-    assert FORMAT_VERSION == 2 and SUPPORTED_FORMAT_VERSIONS == (1, 2)
-    assert WORD_ORDERS == ("gptq", "mma128")
+    assert FORMAT_VERSION == 3 and SUPPORTED_FORMAT_VERSIONS == (1, 2, 3)
+    assert WORD_ORDERS == ("gptq", "mma128", "mma128_tiles")
+
+
+def test_tiles_hold_the_mma128_rows_tile_by_tile():
+    """Tile (band t, step s) of "mma128_tiles" is rows 64t..64t+63, words 16s..16s+15 of the "mma128" rows, one
+    contiguous run of 64 x 16 words; the tiles of a band follow each other in K order (SPEC.md section 3)."""
+    gen = torch.Generator().manual_seed(3)
+    words = torch.randint(INT32_MIN, INT32_MAX + 1, (2, 192, 48), dtype=torch.int32, generator=gen)
+    tiles = to_word_order(words, "mma128_tiles")
+    rows = to_word_order(words, "mma128")
+    assert tiles.shape == (2, 3, 3, 64, 16) and tiles.is_contiguous()
+    for e, t, step in [(0, 0, 0), (0, 2, 1), (1, 1, 2)]:
+        assert torch.equal(tiles[e, t, step], rows[e, 64 * t : 64 * t + 64, 16 * step : 16 * step + 16])
+    flat = tiles.view(-1)  # tile (e, t, s) starts at ((e * 3 + t) * 3 + s) * 1024 words
+    assert torch.equal(flat[((1 * 3 + 2) * 3 + 1) * 1024 :][:1024].view(64, 16), rows[1, 128:192, 16:32])
+    assert torch.equal(from_tiles(tiles), rows) and torch.equal(to_tiles(rows), tiles)
+    assert torch.equal(from_word_order(tiles, "mma128_tiles"), words)
+
+
+def test_tiles_refuse_rows_they_do_not_cut():
+    with pytest.raises(ValueError, match="do not cut"):
+        to_tiles(torch.zeros(2, 96, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="not \\[..., N/64, K/128, 64, 16\\] tiles"):
+        from_tiles(torch.zeros(2, 1, 1, 32, 16, dtype=torch.int32))
 
 
 def test_index_is_a_permutation_of_one_block():
@@ -177,8 +203,10 @@ def test_gptq_order_is_the_identity():
 
 
 def test_converters_refuse_what_they_cannot_permute():
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match="not a row-major nibble order"):
         to_word_order(torch.zeros(16, dtype=torch.int32), "marlin")
+    with pytest.raises(ValueError, match="not a row-major nibble order"):
+        transpose_to_word_order(torch.zeros(16, 64, dtype=torch.int32), "mma128_tiles")
     with pytest.raises(ValueError, match=r"\[..., 16 n\]"):
         to_word_order(torch.zeros(2, 24, dtype=torch.int32), "mma128")
     with pytest.raises(ValueError, match="int64"):
@@ -188,9 +216,9 @@ def test_converters_refuse_what_they_cannot_permute():
 @pytest.mark.parametrize(
     ("bits", "hidden", "inter", "group", "order"),
     [
-        (4, 256, 384, 128, "mma128"),
-        (4, 3584, 2560, 128, "mma128"),
-        (4, 2048, 1408, -1, "mma128"),
+        (4, 256, 384, 128, "mma128_tiles"),
+        (4, 3584, 2560, 128, "mma128_tiles"),
+        (4, 2048, 1408, -1, "mma128_tiles"),
         (4, 256, 384, 32, "gptq"),
         (4, 256, 384, 64, "gptq"),
         (4, 256, 64, 128, "gptq"),
@@ -215,12 +243,14 @@ def _chosen(info: StackInfo) -> StackInfo:
     return replace(info, word_order=order)
 
 
+@pytest.mark.parametrize("order", ["mma128", "mma128_tiles"])
 @pytest.mark.parametrize("name", STACKS)
-def test_mma128_stack_round_trips_bit_exactly(name):
+def test_mma128_stack_round_trips_bit_exactly(name, order):
     scheme, act_order = STACKS[name]
     gptq_info, names, sources = seeded_stack(scheme, act_order, hidden=256, inter=256)
-    info = _chosen(gptq_info)
-    assert info.word_order == "mma128" and info.act_order_w13 == info.act_order_w2 == act_order
+    assert _chosen(gptq_info).word_order == "mma128_tiles"
+    info = replace(gptq_info, word_order=order)
+    assert info.act_order_w13 == info.act_order_w2 == act_order
     tensors = pack_gptq(info, sources)
     back = unpack_gptq(info, tensors)
     for triple, linears in zip(names, sources, strict=True):
@@ -232,7 +262,8 @@ def test_mma128_stack_round_trips_bit_exactly(name):
     assert tensors.keys() == plain.keys()
     for tensor_name, tensor in tensors.items():
         if tensor_name.endswith("qweight"):
-            assert torch.equal(tensor, to_word_order(plain[tensor_name], "mma128"))
+            assert list(tensor.shape) == info.tensor_shapes()[tensor_name][0]
+            assert torch.equal(tensor, to_word_order(plain[tensor_name], order))
             assert not torch.equal(tensor, plain[tensor_name])
         else:
             assert torch.equal(tensor, plain[tensor_name])
@@ -244,7 +275,7 @@ def test_mma128_shared_expert_chunks_round_trip():
     scheme = GptqScheme(4, 128, True, "gptq")
     gptq_info, names, sources = seeded_stack(scheme, act_order=True, experts=2, chunks=2, hidden=256, inter=128)
     info = _chosen(gptq_info)
-    assert info.word_order == "mma128" and info.chunks_per_source == 2
+    assert info.word_order == "mma128_tiles" and info.chunks_per_source == 2
     back = unpack_gptq(info, pack_gptq(info, sources))
     for module, linear in zip(names[0], sources[0], strict=True):
         assert torch.equal(back[f"{module}.qweight"], linear.qweight)
@@ -282,6 +313,7 @@ def test_stack_json_carries_word_order_and_v1_entries_read_as_gptq():
         ({"word_order": "marlin"}, "word_order 'marlin' is not one of"),
         ({"word_order": "mma128", "bits": 8}, "needs 4 bits"),
         ({"word_order": "mma128", "intermediate_size": 64}, "H, I multiples of 128"),
+        ({"word_order": "mma128_tiles", "hidden_size": 192}, "H, I multiples of 128"),
     ],
 )
 def test_impossible_word_orders_are_refused(changes, message):
@@ -296,10 +328,12 @@ def converted(tmp_path_factory) -> dict[str, Path]:
     return {name: convert(str(FIXTURES_DIR / name), root / name, quiet=True) and root / name for name in names}
 
 
-@pytest.mark.parametrize(("fixture", "order"), [("qwen2moe-g128-sym", "mma128"), ("qwen2moe-g32-actorder", "gptq")])
+@pytest.mark.parametrize(
+    ("fixture", "order"), [("qwen2moe-g128-sym", "mma128_tiles"), ("qwen2moe-g32-actorder", "gptq")]
+)
 def test_converted_fixtures_record_their_word_order(converted, fixture, order):
     config = json.loads((converted[fixture] / "config.json").read_text())["quantization_config"]
-    assert config["format_version"] == 2
+    assert config["format_version"] == 3
     assert {stack["kind"] for stack in config["stacks"]} == {"routed", "shared"}
     assert all(stack["word_order"] == order for stack in config["stacks"])
     _, stacks = read_repack_config(converted[fixture])
@@ -342,8 +376,8 @@ def test_a_bad_word_order_in_config_is_a_one_line_error(converted, tmp_path):
     assert "\n" not in message and "config.json" in message and "word_order 'nibble-soup'" in message
 
 
-def test_synthetic_chunked_shared_experts_convert_to_mma128(tmp_path):
-    """DeepSeek with I_s = 2 I at g128: routed and the two shared chunks (I = 128 each) take "mma128"."""
+def test_synthetic_chunked_shared_experts_convert_to_mma128_tiles(tmp_path):
+    """DeepSeek with I_s = 2 I at g128: routed and the two shared chunks (I = 128 each) take "mma128_tiles"."""
     scheme = GptqScheme(4, 128, True, "gptq")
     src = write_synthetic_checkpoint(
         tmp_path / "src", family="deepseek_v2", scheme=scheme, act_order=True, hidden_size=256, intermediate_size=128
@@ -354,4 +388,4 @@ def test_synthetic_chunked_shared_experts_convert_to_mma128(tmp_path):
     _, stacks = read_repack_config(out)
     shared = [s for s in stacks if s.kind == "shared"]
     assert shared and all(s.num_experts == 2 and s.intermediate_size == 128 for s in shared)
-    assert all(s.word_order == "mma128" for s in stacks)
+    assert all(s.word_order == "mma128_tiles" for s in stacks)

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks import bench_moe
 from benchmarks.launch_profile import short_name
-from repack.formats.stacks import choose_word_order
+from repack.formats.stacks import choose_word_order, words_shape
 from repack.runtime.moe_block import JOINED, SEPARATE
 from repack.runtime.weights import MoeWeights
 
@@ -18,11 +18,14 @@ def random_cpu_stack(case: bench_moe.Case, seed: int = 0) -> MoeWeights:
     """What runtime.tune.random_stack makes on the GPU, on the CPU: random int4 words, scales ~0.01, group 128."""
     gen = torch.Generator().manual_seed(seed)
     experts, h, i = case.experts + case.shared_chunks, case.hidden, case.inter
-    words = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32)  # noqa: E731
+    order = choose_word_order(4, h, i, 128)
+    words = lambda rows, k: torch.randint(  # noqa: E731
+        -(2**31), 2**31 - 1, words_shape(order, experts, rows, k // 8), generator=gen, dtype=torch.int32
+    )
     scales = lambda *shape: (torch.rand(*shape, generator=gen) * 0.01 + 0.005).half()  # noqa: E731
     return MoeWeights(
-        words(experts, 2 * i, h // 8), scales(experts, h // 128, 2 * i), words(experts, h, i // 8),
-        scales(experts, i // 128, h), bits=4, group_size=128, word_order=choose_word_order(4, h, i, 128),
+        words(2 * i, h), scales(experts, h // 128, 2 * i), words(h, i), scales(experts, i // 128, h), bits=4,
+        group_size=128, word_order=order,
     )  # fmt: skip
 
 

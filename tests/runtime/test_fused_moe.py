@@ -353,6 +353,47 @@ def test_split_k_decode(device, word_order, h, i, group, split_k):
     assert run_case(weights, sources, scheme, 2, 2, [0, 1, 3], config, device, seed=14) <= 2e-3
 
 
+TILED_CONFIGS = {
+    "weight-major": dict(WEIGHT_MAJOR, SCALE_ACC=False, BLOCK_M=16, BLOCK_N=128),
+    "weight-major-direct": dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True, REDUCE="atomic"),
+    "decode-split-k": dict(
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True, SPLIT_K=2, PREFETCH=2
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", TILED_CONFIGS)
+def test_tiled_words_run_bit_for_bit_as_their_rows(device, name):
+    """ "mma128_tiles" (what the converter writes) gives exactly the output of the same words as "mma128" rows on
+    every tl family that reads them: H = 384 and I = 256 put w13's up rows four bands of 64 below their gate rows,
+    and w2 and w13 take 2-3 K steps, each from another tile."""
+    scheme = GptqScheme(4, 128, False, "gptq")
+    rows, sources = make_stack(4, 384, 256, scheme, act_order=True, word_order="mma128")
+    tiles, _ = make_stack(4, 384, 256, scheme, act_order=True, word_order="mma128_tiles")
+    assert rows.w13_qweight.dim() == 3 and tiles.w13_qweight.shape == (4, 8, 3, 64, 16)
+    assert (tiles.hidden_size, tiles.intermediate_size) == (384, 256)
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 384, generator=gen).to(torch.float16)
+    ids, route_w = random_routing(3, 2, [0, 1, 3], gen)
+    outs = [
+        fused_moe(x.to(device), MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                             for k, v in vars(stack).items()}),
+                  ids.to(device), route_w.to(device), config=dict(TILED_CONFIGS[name])).cpu()
+        for stack in (rows, tiles)
+    ]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    assert relative_error(outs[1], reference(x, sources, scheme, ids, route_w)) <= 2e-3
+
+
+def test_a_tiled_stack_with_row_major_words_is_one_line(device):
+    scheme = GptqScheme(4, 128, True, "gptq")
+    rows, _ = make_stack(2, 256, 128, scheme, word_order="mma128")
+    wrong = MoeWeights(**{**vars(rows), "word_order": "mma128_tiles"})
+    x, ids, w = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    with pytest.raises(RepackError, match="'mma128_tiles' words are 5-D, got w13 \\[2, 256, 32\\]"):
+        fused_moe(x, wrong, ids, w)
+
+
 def test_k_slices_are_never_empty():
     from repack.runtime.kernels.decode import k_slices
 

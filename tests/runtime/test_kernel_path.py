@@ -313,14 +313,15 @@ def test_a_step_scaled_sum_runs_at_four_programs_per_sm_only_beside_a_lean_produ
     assert not gluon_sm90.scale_after(four, FP16) and per_sm(sym, FP16) == 4
 
 
-def test_tile_major_words_put_each_box_where_the_producer_reads_it():
-    """The probe's tile-major words (gluon_ws_sm90.TILE_MAJOR_WORDS): box (rows r..r+63, K step s) of the format's
-    [E * R, K / 8] words is the 64 rows from (r / 64 * K / 128 + s) * 64 on, the producer's TILE_MAJOR coordinate."""
-    from repack.runtime.kernels import gluon_ws_sm90
+def test_each_tma_box_of_tiled_words_is_the_tile_the_producer_names():
+    """ "mma128_tiles" words through gluon_ws_sm90's 2-D view: the box of rows r..r+63 (r counted over all experts)
+    and K step s is the 64 rows from (r / 64 * K / 128 + s) * 64 on, the producer's TILES coordinate, and holds the
+    "mma128" rows' words of that row band and step."""
+    from repack.formats.word_order import to_tiles
 
     experts, rows, k = 2, 192, 512
     words = torch.randint(-(2**31), 2**31 - 1, (experts, rows, k // 8), dtype=torch.int32)
-    tiled, flat, steps = gluon_ws_sm90.tile_major_words(words), words.reshape(-1, k // 8), k // 128
+    tiled, flat, steps = to_tiles(words).view(-1, 16), words.reshape(-1, k // 8), k // 128
     assert tiled.shape == (experts * rows * steps, 16)
     for r in range(0, experts * rows, 64):
         for s in range(steps):

@@ -3,7 +3,7 @@
 The reference is the full stack dequantized (formats.stacks.dequantize_stack): a tensor-parallel rank must hold
 exactly its slice of every expert's gate, up and down weights (and the ranks' expert outputs must sum to the
 full expert's), an expert-parallel rank exactly its experts. Cuts that would split a group or a 128-input block
-of the mma128 word order are refused with one line.
+of the mma128 word orders are refused with one line.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqScheme
-from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, dequantize_stack
+from repack.formats.stacks import GPTQ_ORDER, MMA128_ORDER, TILES_ORDER, dequantize_stack
 from repack.runtime.integrations.vllm.sharding import ep_shard, ep_shard_info, tp_shard, tp_shard_info
 from tests.support.stacks import pack_gptq, routed_stack_info, seeded_expert
 
@@ -23,6 +23,8 @@ CASES = [  # (word order, scheme, act-order, I, tensor-parallel sizes)
     (GPTQ_ORDER, GptqScheme(8, 64, True, "gptq"), True, 128, (2,)),
     (MMA128_ORDER, GptqScheme(4, 128, True, "gptq"), True, 256, (2,)),
     (MMA128_ORDER, GptqScheme(4, -1, False, "gptq"), False, 256, (2,)),
+    (TILES_ORDER, GptqScheme(4, 128, True, "gptq"), True, 256, (2,)),
+    (TILES_ORDER, GptqScheme(4, -1, False, "gptq"), False, 512, (2, 4)),
 ]
 IDS = [
     f"{order}-{s.bits}b-g{s.group_size}-{'sym' if s.sym else 'asym'}-{'act' if a else 'plain'}"
@@ -60,7 +62,7 @@ def test_each_tensor_parallel_rank_holds_its_slice_and_the_ranks_sum_to_the_expe
         torch.testing.assert_close(total, expert(w13[1], w2[1], inter), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("word_order", [GPTQ_ORDER, MMA128_ORDER])
+@pytest.mark.parametrize("word_order", [GPTQ_ORDER, MMA128_ORDER, TILES_ORDER])
 def test_each_expert_parallel_rank_holds_its_whole_experts(word_order):
     info, tensors = stack(word_order, GptqScheme(4, 128, True, "gptq"), True, 128)
     w13, w2 = dequantize_stack(info, tensors)
@@ -75,6 +77,7 @@ def test_each_expert_parallel_rank_holds_its_whole_experts(word_order):
     ("word_order", "scheme", "inter", "size", "fragment"),
     [
         (MMA128_ORDER, GptqScheme(4, 128, True, "gptq"), 128, 2, "multiple of 128 (mma128 word order)"),
+        (TILES_ORDER, GptqScheme(4, 128, True, "gptq"), 384, 2, "multiple of 128 (mma128_tiles word order)"),
         (GPTQ_ORDER, GptqScheme(4, 128, True, "gptq"), 128, 2, "and of the group size 128"),
         (GPTQ_ORDER, GptqScheme(4, 32, True, "gptq"), 96, 4, "cannot cut I=96 into 4 tensor-parallel shards"),
     ],

@@ -47,3 +47,39 @@ def ptxas_spills(ptx: str) -> int:
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
     assert spills, out.stderr
     return sum(int(a) + int(b) for a, b in spills)
+
+
+def local_memory_in_mma_loops(ptx: str) -> int:
+    """Local-memory loads and stores (spills) inside the K loops (:func:`local_memory_in_k_loops`) of the SASS ptxas
+    builds from ``ptx`` for sm_90a."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tools = Path(get_ptxas(90).path).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        src.write_text(ptx)
+        subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", str(src), "-o", str(cubin)], check=True)
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    return local_memory_in_k_loops(sass)
+
+
+def local_memory_in_k_loops(sass: str) -> int:
+    """STL/LDL instructions of ``sass`` (cuobjdump's listing) inside a K loop: an innermost loop that issues wgmmas
+    (HGMMA). A loop is a conditional backward branch and the instructions from its target to it; an unconditional
+    one is the return from a wait's retry block, which ptxas places after the code."""
+    import re
+
+    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for at, op in code:
+        target = re.search(r"\bBRA\s+0x([0-9a-f]+)", op)
+        if op.startswith("@") and target and int(target.group(1), 16) <= at:
+            loops.append((int(target.group(1), 16), at))
+    mma = [(lo, hi) for lo, hi in loops if any(lo <= at <= hi and "HGMMA" in op for at, op in code)]
+    k_loops = [(lo, hi) for lo, hi in mma if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b in mma)]
+    local = [at for at, op in code if re.search(r"\b(STL|LDL)\b", op)]
+    return sum(1 for at in local if any(lo <= at <= hi for lo, hi in k_loops))

@@ -12,8 +12,9 @@ intermediate channels ``[r I/size, (r + 1) I/size)``:
   (vLLM's all-reduce). ``w2_perm`` serves only ``repack verify``'s inverse and has no per-rank meaning: not cut.
 
 A cut must fall on a group boundary (so each rank's scales are whole groups) and on a word boundary, for the
-``mma128`` word order on its 128-input blocks (formats/SPEC.md: the nibbles are permuted inside each block of 16
-words), else one RepackError line says so. Expert parallelism gives rank ``r`` the whole experts
+``mma128`` word orders on their 128-input blocks (formats/SPEC.md: the nibbles are permuted inside each block of 16
+words; ``mma128_tiles`` cuts w13 between tiles of 64 rows, whole since the slice is a multiple of 128, and w2 between
+the tiles of its K steps), else one RepackError line says so. Expert parallelism gives rank ``r`` the whole experts
 ``[r E/size, (r + 1) E/size)`` of a routed stack; ``E`` must divide evenly.
 
 Under expert parallelism vLLM's router still picks among all E experts, and a rank's share of a token is the sum
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from repack.formats.errors import RepackError
-from repack.formats.stacks import MMA128_ORDER, ROUTED, StackInfo
+from repack.formats.stacks import MMA_ORDERS, ROUTED, TILE_ROWS, TILES_ORDER, StackInfo
 
 MMA128_BLOCK = 128
 
@@ -48,7 +49,7 @@ def _check_rank(what: str, rank: int, size: int) -> None:
 def tp_slice(info: StackInfo, size: int) -> int:
     """The per-rank intermediate size of ``info`` under ``size``-way tensor parallelism, or one RepackError line."""
     i, group = info.intermediate_size, info.group_size
-    word_unit = MMA128_BLOCK if info.word_order == MMA128_ORDER else 32 // info.bits
+    word_unit = MMA128_BLOCK if info.word_order in MMA_ORDERS else 32 // info.bits
     units = [word_unit] + ([group] if group != -1 else [])
     if size < 1 or i % size or any((i // size) % unit for unit in units):
         raise RepackError(
@@ -70,15 +71,18 @@ def tp_shard(info: StackInfo, tensors: dict[str, torch.Tensor], rank: int, size:
     part = tp_slice(info, size)
     i, pack, group = info.intermediate_size, 32 // info.bits, info.group_size
     lo, hi = rank * part, (rank + 1) * part
+    tiled = info.word_order == TILES_ORDER
+    row, word = (TILE_ROWS, MMA128_BLOCK) if tiled else (1, pack)  # w13 rows and w2 inputs per unit of axis 1, 2
     out = {}
     for name, tensor in tensors.items():
         kind = name.rpartition(".")[2]
-        if kind == "w13_qweight":  # [E, 2I, H/pack]: gate rows then up rows
-            out[name] = torch.cat([tensor[:, lo:hi], tensor[:, i + lo : i + hi]], dim=1)
+        if kind == "w13_qweight":  # [E, 2I, H/pack] (tiles: [E, 2I/64, ...]): gate rows then up rows
+            gate, up = tensor[:, lo // row : hi // row], tensor[:, (i + lo) // row : (i + hi) // row]
+            out[name] = torch.cat([gate, up], dim=1)
         elif kind in ("w13_scales", "w13_zeros"):  # [E, G1, 2I]
             out[name] = torch.cat([tensor[..., lo:hi], tensor[..., i + lo : i + hi]], dim=-1)
-        elif kind == "w2_qweight":  # [E, H, I/pack]
-            out[name] = tensor[..., lo // pack : hi // pack]
+        elif kind == "w2_qweight":  # [E, H, I/pack] (tiles: [E, H/64, I/128, 64, 16])
+            out[name] = tensor[:, :, lo // word : hi // word]
         elif kind in ("w2_scales", "w2_zeros"):  # [E, G2, H]
             out[name] = tensor if group == -1 else tensor[:, lo // group : hi // group]  # one group: every rank's
         elif kind == "w13_perm":  # [E, H]: the input's order, the same on every rank
