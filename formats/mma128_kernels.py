@@ -97,6 +97,24 @@ def transpose_to_mma128(source, target):
                     block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
 
 
+@_compiled_loop
+def transpose_to_mma128_tiles(source, target):
+    """:func:`transpose_to_mma128` into "mma128_tiles": ``target [N/64, R/16, 64, 8]`` (uint64, the view of the
+    ``[N/64, K/128, 64, 16]`` uint32 tiles), each output row's 16-word block stored straight into its tile."""
+    rows, cols = source.shape
+    high = _SHIFTS[3]
+    tile_rows = target.shape[2]
+    for start in range(0, rows, _BLOCK):
+        for n in range(cols):
+            block = target[n // tile_rows, start // _BLOCK, n % tile_rows]
+            for g in range(2):
+                for a in range(2):
+                    row = start + 8 * g + a  # as in transpose_to_mma128
+                    p = np.uint64(source[row, n]) | (np.uint64(source[row + 4, n]) << high)
+                    q = np.uint64(source[row + 2, n]) | (np.uint64(source[row + 6, n]) << high)
+                    block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
+
+
 # The inverse, in panels. Turned around, the forward loop reads one 64-byte line per output column across the whole
 # input (loads that miss stall, where the forward loop's equally scattered stores did not) and stores into 16 rows 4
 # bytes at a time, rows that share one L1 set whenever a row is a multiple of 4 KB long (N % 1024 == 0: Qwen2-57B's

@@ -66,6 +66,7 @@ from .word_order import (  # noqa: F401 - MMA128_INDEX re-exported: this module 
     to_tiles,
     to_word_order,
     transpose_from_word_order,
+    transpose_to_tiles,
     transpose_to_word_order,
 )
 
@@ -291,8 +292,7 @@ def iter_pack_stack(
         words = down.shape[0] // chunks
         for chunk in range(chunks):  # [1, H, I/pack]: the words of one chunk, transposed (then tiled)
             rows = down[chunk * words : (chunk + 1) * words]
-            yield name("w2_qweight"), _stored_words(transpose_to_word_order(rows, rows_order(info.word_order)),
-                                                    info.word_order).unsqueeze(0)  # fmt: skip
+            yield name("w2_qweight"), _stored_words(rows, info.word_order).unsqueeze(0)
     for _, (_, _, down), _ in sources:
         yield name("w2_scales"), down.scales.reshape(chunks, -1, down.scales.shape[1])
     if "w2_zeros" in wanted:
@@ -333,19 +333,23 @@ def _w13_qweight(
     words in ``order``.
 
     Only whole words move (a transpose, and a column gather for P2) before the word order, so nothing is unpacked."""
-    out = torch.empty((1, 2 * i, gate.shape[0]), dtype=torch.int32)
-    for words, rows in ((gate, out[0, :i]), (up, out[0, i:])):
+    out = torch.empty(words_shape(order, 1, 2 * i, gate.shape[0]), dtype=torch.int32)
+    half = i // TILE_ROWS if order == TILES_ORDER else i  # gate rows, then up rows: in bands of 64 rows when tiled
+    for words, rows in ((gate, out[0, :half]), (up, out[0, half:])):
         if p2 is None:
             columns = words[:, chunk * i : (chunk + 1) * i]
         else:
             columns = torch.index_select(words, 1, p2[chunk * i : (chunk + 1) * i].long())
-        transpose_to_word_order(columns, rows_order(order), out=rows)
-    return _stored_words(out, order)
+        _stored_words(columns, order, out=rows)
+    return out
 
 
-def _stored_words(words: torch.Tensor, order: str) -> torch.Tensor:
-    """Row-major words ``[..., rows, K/pack]`` in :func:`~.word_order.rows_order` as stored in ``order``."""
-    return to_tiles(words) if order == TILES_ORDER else words
+def _stored_words(words: torch.Tensor, order: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Input-major "gptq" words ``[K/pack, N]`` -> the stored words of ``order`` (into ``out`` when given): output-major
+    rows ``[N, K/pack]``, or "mma128_tiles" ``[N/64, K/128, 64, 16]``, in one pass either way."""
+    if order == TILES_ORDER:
+        return transpose_to_tiles(words, out=out)
+    return transpose_to_word_order(words, order, out=out)
 
 
 def _sorted_rows(qweight: torch.Tensor, perm: torch.Tensor | None, scheme: GptqScheme) -> torch.Tensor:

@@ -79,6 +79,23 @@ def transpose_to_word_order(words: torch.Tensor, order: str, out: torch.Tensor |
     return out
 
 
+def transpose_to_tiles(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Input-major "gptq" words ``[R, N]`` -> "mma128_tiles" ``[N/64, R/16, 64, 16]``: :func:`to_tiles` of
+    :func:`transpose_to_word_order`'s "mma128" rows, in one pass (each row's block stored straight into its tile).
+    Writes into ``out`` (tiles whose two last axes are dense, e.g. a band range of a stack) when given."""
+    rows, cols = words.shape
+    _check_order(words.t(), MMA128_ORDER)
+    if cols % TILE_ROWS:
+        raise ValueError(f"tiles of {TILE_ROWS} rows do not cut {cols} output rows")
+    shape = (cols // TILE_ROWS, rows // _BLOCK_WORDS, TILE_ROWS, _BLOCK_WORDS)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32)
+    if tuple(out.shape) != shape or out.stride(-1) != 1 or out.stride(-2) != _BLOCK_WORDS:
+        raise ValueError(f"transpose_to_tiles: out {list(out.shape)} is not dense {list(shape)} tiles")
+    _kernels().transpose_to_mma128_tiles(_uint32(words), _uint32(out).view(np.uint64))
+    return out
+
+
 def transpose_from_word_order(words: torch.Tensor, order: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact inverse of :func:`transpose_to_word_order`: output-major ``[N, R]`` words in ``order`` -> input-major
     "gptq" words ``[R, N]`` (the GPTQ qweight). Writes into ``out`` when given; ``words`` is not modified."""

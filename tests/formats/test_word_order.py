@@ -29,6 +29,7 @@ from repack.formats.stacks import (
     to_tiles,
     to_word_order,
     transpose_from_word_order,
+    transpose_to_tiles,
     transpose_to_word_order,
 )
 from repack.synthetic import write_synthetic_checkpoint
@@ -58,6 +59,20 @@ def test_tiles_hold_the_mma128_rows_tile_by_tile():
     assert torch.equal(flat[((1 * 3 + 2) * 3 + 1) * 1024 :][:1024].view(64, 16), rows[1, 128:192, 16:32])
     assert torch.equal(from_tiles(tiles), rows) and torch.equal(to_tiles(rows), tiles)
     assert torch.equal(from_word_order(tiles, "mma128_tiles"), words)
+
+
+def test_one_pass_tiles_match_rows_cut_into_tiles():
+    """The converter's form (transpose_to_tiles): strided GPTQ columns straight into a band range of a stack's tiles,
+    the same words as "mma128" rows cut by to_tiles, nothing else written."""
+    gen = torch.Generator().manual_seed(5)
+    qweight = torch.randint(INT32_MIN, INT32_MAX + 1, (48, 200), dtype=torch.int32, generator=gen)
+    columns = qweight[:, 3:131]  # [48, 128]: K = 384, two bands of 64 output rows
+    stack = torch.zeros((1, 5, 3, 64, 16), dtype=torch.int32)
+    transpose_to_tiles(columns, out=stack[0, 2:4])
+    assert torch.equal(stack[0, 2:4], to_tiles(transpose_to_word_order(columns, "mma128")))
+    assert not stack[0, :2].any() and not stack[0, 4:].any()
+    with pytest.raises(ValueError, match="do not cut 96 output rows"):
+        transpose_to_tiles(qweight[:, :96])
 
 
 def test_tiles_refuse_rows_they_do_not_cut():
