@@ -132,12 +132,22 @@ _U = np.uint64
 
 
 @numba.njit(inline="always")
-def _stage_tile(words, stage, column, row_words, block):
+def _block_start(row, block, row_words, tiled):
+    """Index of 64-bit word ``block`` (a multiple of 8: one 16-word block) of output row ``row`` in the flat source:
+    rows ``[N, R/2]``, or with ``tiled`` "mma128_tiles" ``[N/64, R/16, 64, 8]`` (row r's block b at
+    ((r / 64 * R/16 + b / 8) * 64 + r % 64) * 8)."""
+    if tiled:
+        return (((row >> _U(6)) * (row_words >> _U(3)) + (block >> _U(3))) * _U(64) + (row & _U(63))) * _U(8)
+    return row * row_words + block
+
+
+@numba.njit(inline="always")
+def _stage_tile(words, stage, column, row_words, block, tiled):
     """Block ``block`` (8 64-bit words) of the ``_TILE`` input rows from ``column`` on, as ``stage [8, _TILE]``."""
     tile = _U(_TILE)
     for j in range(_TILE):
         uj = _U(j)
-        base = (column + uj) * row_words + block
+        base = _block_start(column + uj, block, row_words, tiled)
         for k in range(8):
             uk = _U(k)
             stage[uk * tile + uj] = words[base + uk]
@@ -176,20 +186,39 @@ def transpose_from_mma128(source, target):
     if not (source.flags.c_contiguous and rows_apart):
         transpose_from_mma128_strided(source, target)
     elif rows and cols:
-        row_stride = target.strides[0] // target.itemsize
-        flat = np.lib.stride_tricks.as_strided(target, ((rows - 1) * row_stride + cols,), (target.itemsize,))
-        _transpose_from_mma128_rows(source, flat, row_stride)
+        _transpose_from_mma128_rows(source.reshape(-1), rows // 2, _flat_rows(target), target.strides[0] // 4, False)
+
+
+def transpose_from_mma128_tiles(source, target):
+    """Exact inverse of :func:`transpose_to_mma128_tiles`: C-contiguous "mma128_tiles" ``source [N/64, R/16, 64, 8]``
+    (uint64) -> input-major "gptq" ``target [R, N]`` (uint32, rows contiguous), by the same panels as
+    :func:`transpose_from_mma128`, reading each row's blocks out of its tiles (no untiled copy)."""
+    rows, cols = target.shape
+    if source.shape != (cols // 64, rows // _BLOCK, 64, 8) or not source.flags.c_contiguous:
+        raise ValueError(f"transpose_from_mma128_tiles: source {source.shape} does not fit target {target.shape}")
+    if target.strides[1] != target.itemsize or target.strides[0] < cols * target.itemsize:
+        raise ValueError("transpose_from_mma128_tiles: the target's rows must be contiguous")
+    if rows and cols:
+        _transpose_from_mma128_rows(source.reshape(-1), rows // 2, _flat_rows(target), target.strides[0] // 4, True)
+
+
+def _flat_rows(target):
+    """``target [R, N]`` (rows contiguous, any distance apart) as one flat array from its first word to its last."""
+    rows, cols = target.shape
+    row_stride = target.strides[0] // target.itemsize
+    return np.lib.stride_tricks.as_strided(target, ((rows - 1) * row_stride + cols,), (target.itemsize,))
 
 
 @_compiled_loop
-def _transpose_from_mma128_rows(source, flat, row_stride):
-    """:func:`transpose_from_mma128` into row r = ``flat[r * row_stride :][:N]``. Returns the XOR of the words the
-    read-ahead loaded (so that it is not optimized away; ignore it)."""
-    cols, row_words = source.shape
+def _transpose_from_mma128_rows(words, row_words, flat, row_stride, tiled):
+    """:func:`transpose_from_mma128` (``tiled``: :func:`transpose_from_mma128_tiles`) of the flat source ``words``,
+    rows of ``row_words`` 64-bit words, into row r = ``flat[r * row_stride :][:N]``. A panel of whole bands of 64
+    rows is one contiguous piece of the source in both layouts. Returns the XOR of the words the read-ahead loaded
+    (so that it is not optimized away; ignore it)."""
+    cols = words.shape[0] // row_words
     rows = 2 * row_words
     high = _SHIFTS[3]
-    words = source.reshape(-1)
-    panel_cols = max(_TILE, min(_PANEL_COLUMNS, _PANEL_BYTES // (8 * row_words) // _TILE * _TILE))
+    panel_cols = max(64, min(_PANEL_COLUMNS, _PANEL_BYTES // (8 * row_words) // 64 * 64))
     panel = np.empty(rows * panel_cols, np.uint32)
     stage = np.empty(8 * _TILE, np.uint64)
     touched = _U(0)
@@ -201,13 +230,14 @@ def _transpose_from_mma128_rows(source, flat, row_stride):
             touched ^= words[piece + _U(i)]
         for start in range(0, rows, _BLOCK):
             for column in range(0, tiles, _TILE):
-                _stage_tile(words, stage, _U(first + column), _U(row_words), _U(start // 2))
+                _stage_tile(words, stage, _U(first + column), _U(row_words), _U(start // 2), tiled)
                 _unstage_tile(stage, panel, _U(start), _U(column), _U(width))
             for column in range(tiles, width):  # the columns past the last whole tile, one by one
-                block = source[first + column, start // 2 : (start + _BLOCK) // 2]
+                at0 = _block_start(_U(first + column), _U(start // 2), _U(row_words), tiled)
                 for g in range(2):
                     for a in range(2):
-                        p, q = _from_mma128_pair(block[4 * g + 2 * a], block[4 * g + 2 * a + 1])
+                        k = at0 + _U(4 * g + 2 * a)
+                        p, q = _from_mma128_pair(words[k], words[k + _U(1)])
                         at = (start + 8 * g + a) * width + column
                         panel[at], panel[at + 4 * width] = p & _LOW, p >> high
                         panel[at + 2 * width], panel[at + 6 * width] = q & _LOW, q >> high

@@ -62,9 +62,9 @@ from .word_order import (  # noqa: F401 - MMA128_INDEX re-exported: this module 
     MMA128_INDEX,
     from_tiles,
     from_word_order,
-    rows_order,
     to_tiles,
     to_word_order,
+    transpose_from_tiles,
     transpose_from_word_order,
     transpose_to_tiles,
     transpose_to_word_order,
@@ -188,12 +188,6 @@ def words_shape(order: str, experts: int, rows: int, words: int) -> list[int]:
     if order == TILES_ORDER:
         return [experts, rows // TILE_ROWS, words // 16, TILE_ROWS, 16]
     return [experts, rows, words]
-
-
-def row_major_words(order: str, qweight: torch.Tensor) -> torch.Tensor:
-    """A stored qweight ``[..., rows, words]`` in its row-major form: the tensor itself, or for "mma128_tiles" its
-    tiles put back into rows (a copy, in the "mma128" order; :func:`~.word_order.rows_order`)."""
-    return from_tiles(qweight) if order == TILES_ORDER else qweight
 
 
 def _fits_mma128(bits: int, hidden_size: int, intermediate_size: int) -> bool:
@@ -379,10 +373,10 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
 
     The qweights are first put back in the "gptq" word order, one expert at a time. A linear's zeros are None for a
     symmetric stack, its g_idx None unless the source stored one (``has_g_idx``)."""
-    scheme, order = info.scheme, rows_order(info.word_order)
-    get = _row_major_getter(info, tensors)
+    scheme, order = info.scheme, info.word_order
+    get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
     # expert x's words input-major ([K/pack, N], the GPTQ layout) in the "gptq" order
-    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], order)  # noqa: E731
+    gptq_words = lambda n, x: _gptq_words(get(n)[x], order)  # noqa: E731
     h, i = info.hidden_size, info.intermediate_size
     chunks = info.chunks_per_source
     out: dict[str, CanonicalLinear] = {}
@@ -403,10 +397,11 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
         if info.act_order_w2:
             q_down = torch.cat([unpack_along_rows(gptq_words("w2_qweight", x), scheme.bits) for x in experts], dim=0)
         else:
-            w2 = get("w2_qweight")  # [E, H, I/8]: each chunk's words are rows of down's GPTQ qweight [I_total/8, H]
-            q_down = torch.empty((len(experts) * w2.shape[2], w2.shape[1]), dtype=w2.dtype)
-            for x, piece in zip(experts, q_down.split(w2.shape[2]), strict=True):
-                transpose_from_word_order(w2[x], order, out=piece)
+            w2 = get("w2_qweight")  # each chunk's words are rows of down's GPTQ qweight [I_total/8, H]
+            words = i // (32 // info.bits)
+            q_down = torch.empty((len(experts) * words, h), dtype=w2.dtype)
+            for x, piece in zip(experts, q_down.split(words), strict=True):
+                _gptq_words(w2[x], order, out=piece)
         s_down = torch.cat([get("w2_scales")[x] for x in experts], dim=0)
         if info.sym:
             z_gate = z_up = z_down = None
@@ -444,29 +439,25 @@ def unpack_stack(info: StackInfo, tensors: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def _row_major_getter(info: StackInfo, tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
-    """kind -> the stack's tensor of that kind, its qweights in row-major form (:func:`row_major_words`, each
-    untiled once)."""
-    cache: dict[str, torch.Tensor] = {}
-
-    def get(kind: str) -> torch.Tensor:
-        if kind not in cache:
-            tensor = tensors[f"{info.prefix}.{kind}"]
-            cache[kind] = row_major_words(info.word_order, tensor) if kind.endswith("_qweight") else tensor
-        return cache[kind]
-
-    return get
+def _gptq_words(words: torch.Tensor, order: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's stored words (rows ``[N, K/pack]``, or "mma128_tiles" ``[N/64, K/128, 64, 16]``) -> input-major
+    "gptq" words ``[K/pack, N]`` (into ``out`` when given): the inverse of :func:`_stored_words`, in one pass."""
+    if order == TILES_ORDER:
+        return transpose_from_tiles(words, out=out)
+    return transpose_from_word_order(words, order, out=out)
 
 
 def _gptq_columns(w13: torch.Tensor, experts: range, i: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up GPTQ qweights ``[K/8, I_total]`` of one source expert from its chunks' w13 words ``w13[x]
-    [2I, K/8]`` (gate rows, then up rows, in ``order``), each chunk written straight into its columns."""
-    rows = w13.shape[2]
+    """The gate and up GPTQ qweights ``[K/8, I_total]`` of one source expert from its chunks' w13 words ``w13[x]``
+    (gate rows, then up rows, in ``order``; in bands of 64 rows when tiled), each chunk written straight into its
+    columns."""
+    half = i // TILE_ROWS if order == TILES_ORDER else i
+    rows = w13.shape[2] * 16 if order == TILES_ORDER else w13.shape[2]  # K/8 words
     q_gate = torch.empty((rows, len(experts) * i), dtype=w13.dtype)
     q_up = torch.empty_like(q_gate)
     for c, x in enumerate(experts):
-        transpose_from_word_order(w13[x, :i], order, out=q_gate[:, c * i : (c + 1) * i])
-        transpose_from_word_order(w13[x, i:], order, out=q_up[:, c * i : (c + 1) * i])
+        _gptq_words(w13[x, :half], order, out=q_gate[:, c * i : (c + 1) * i])
+        _gptq_words(w13[x, half:], order, out=q_up[:, c * i : (c + 1) * i])
     return q_gate, q_up
 
 
@@ -536,10 +527,10 @@ def dequantize_stack(info: StackInfo, tensors: dict[str, torch.Tensor], dtype=to
     w2's input is in the sorted (P2) order, matching w13's output rows; w13 is returned with its input
     columns scattered back to the original order so ``x @ w13[e].T`` needs no gather.
     """
-    scheme, order = info.scheme, rows_order(info.word_order)
-    get = _row_major_getter(info, tensors)
+    scheme = info.scheme
+    get = lambda n: tensors[f"{info.prefix}.{n}"]  # noqa: E731
     # expert x's words input-major ([K/pack, N], the GPTQ layout) in the "gptq" order
-    gptq_words = lambda n, x: transpose_from_word_order(get(n)[x], order)  # noqa: E731
+    gptq_words = lambda n, x: _gptq_words(get(n)[x], info.word_order)  # noqa: E731
     e, h, i = info.num_experts, info.hidden_size, info.intermediate_size
     glen1, glen2 = scheme.group_len(h), scheme.group_len(i)
     w13s, w2s = [], []

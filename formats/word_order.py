@@ -108,6 +108,19 @@ def transpose_from_word_order(words: torch.Tensor, order: str, out: torch.Tensor
     return out
 
 
+def transpose_from_tiles(tiles: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact inverse of :func:`transpose_to_tiles`: "mma128_tiles" ``[N/64, R/16, 64, 16]`` -> input-major "gptq"
+    words ``[R, N]`` (the GPTQ qweight), read out of the tiles in place (no untiled copy). Writes into ``out`` (rows
+    contiguous, e.g. a column range of a wider qweight) when given; ``tiles`` is not modified."""
+    bands, steps, rows, width = tiles.shape
+    if (rows, width) != (TILE_ROWS, _BLOCK_WORDS) or tiles.dtype != torch.int32:
+        raise ValueError(f"{tiles.dtype} {list(tiles.shape)} is not [N/64, K/128, 64, 16] int32 tiles of words")
+    if out is None:
+        out = torch.empty((steps * _BLOCK_WORDS, bands * TILE_ROWS), dtype=torch.int32)
+    _kernels().transpose_from_mma128_tiles(_uint32(tiles.contiguous()).view(np.uint64), _uint32(out))
+    return out
+
+
 def to_tiles(words: torch.Tensor) -> torch.Tensor:
     """Row-major words ``[..., N, K/8]`` -> ``[..., N/64, K/128, 64, 16]``: each tile of 64 rows and one 128-input
     block (16 words) one contiguous run, tiles of a row band in K order (the "mma128_tiles" layout of "mma128"

@@ -28,6 +28,7 @@ from repack.formats.stacks import (
     from_word_order,
     to_tiles,
     to_word_order,
+    transpose_from_tiles,
     transpose_from_word_order,
     transpose_to_tiles,
     transpose_to_word_order,
@@ -63,7 +64,8 @@ def test_tiles_hold_the_mma128_rows_tile_by_tile():
 
 def test_one_pass_tiles_match_rows_cut_into_tiles():
     """The converter's form (transpose_to_tiles): strided GPTQ columns straight into a band range of a stack's tiles,
-    the same words as "mma128" rows cut by to_tiles, nothing else written."""
+    the same words as "mma128" rows cut by to_tiles, nothing else written; the verifier's (transpose_from_tiles)
+    back out of them."""
     gen = torch.Generator().manual_seed(5)
     qweight = torch.randint(INT32_MIN, INT32_MAX + 1, (48, 200), dtype=torch.int32, generator=gen)
     columns = qweight[:, 3:131]  # [48, 128]: K = 384, two bands of 64 output rows
@@ -71,6 +73,9 @@ def test_one_pass_tiles_match_rows_cut_into_tiles():
     transpose_to_tiles(columns, out=stack[0, 2:4])
     assert torch.equal(stack[0, 2:4], to_tiles(transpose_to_word_order(columns, "mma128")))
     assert not stack[0, :2].any() and not stack[0, 4:].any()
+    back = torch.zeros_like(qweight)  # and read back out of the tiles into the same columns, nothing else written
+    transpose_from_tiles(stack[0, 2:4], out=back[:, 3:131])
+    assert torch.equal(back[:, 3:131], columns) and not back[:, :3].any() and not back[:, 131:].any()
     with pytest.raises(ValueError, match="do not cut 96 output rows"):
         transpose_to_tiles(qweight[:, :96])
 
