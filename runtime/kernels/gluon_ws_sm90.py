@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 import triton
 
+from repack.formats.errors import RepackError
 from repack.runtime.kernel_config import PERSISTENT_REGISTERS, GluonTile
 from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.align import Alignment
@@ -366,7 +367,12 @@ if gluon_sm90.available():
 def words_descriptor(qweight: torch.Tensor, tiled: bool) -> TensorDescriptor:
     """The TMA view of a stack's words in boxes of [BOX_ROWS, 16] (one K step): "mma128_tiles" ``[E, R/64, K/128,
     64, 16]`` as ``[E * R/64 * K/128 * 64, 16]`` (``tiled``: each box one tile), "mma128" ``[E, R, K/8]`` as
-    ``[E * R, K/8]``. A view (``view`` raises on words that are not one dense run: never a hidden copy per call)."""
+    ``[E * R, K/8]``. A view: words that are not one dense run are refused, never copied per call."""
+    if not qweight.is_contiguous():
+        raise RepackError(
+            f"gluon_ws_sm90: words {list(qweight.shape)} with strides {list(qweight.stride())} are not one dense run, "
+            "which the TMA reads; pass contiguous qweights (a loaded checkpoint's are)"
+        )
     view = qweight.view(-1, 16) if tiled else qweight.view(-1, qweight.shape[-1])
     return TensorDescriptor.from_tensor(view, [BOX_ROWS, 16], W_TMA_LAYOUT.value)
 

@@ -326,3 +326,15 @@ def test_each_tma_box_of_tiled_words_is_the_tile_the_producer_names():
     for r in range(0, experts * rows, 64):
         for s in range(steps):
             assert torch.equal(tiled[(r // 64 * steps + s) * 64 :][:64], flat[r : r + 64, s * 16 : (s + 1) * 16])
+
+
+def test_words_the_tma_cannot_read_as_one_run_are_one_line():
+    """A tensor-parallel cut of w2's tiles (its K steps) is a strided view: the warp-specialized kernels refuse it in
+    one line rather than copy it on every call (the vLLM plugin's parameters are dense)."""
+    from repack.runtime.kernels import gluon_ws_sm90
+
+    tiles = torch.zeros(2, 4, 6, 64, 16, dtype=torch.int32)
+    gluon_ws_sm90.words_descriptor(tiles[:, :, :3].contiguous(), True)
+    with pytest.raises(RepackError, match=r"not one dense run") as error:
+        gluon_ws_sm90.words_descriptor(tiles[:, :, :3], True)
+    assert "\n" not in str(error.value)

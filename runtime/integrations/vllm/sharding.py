@@ -173,7 +173,7 @@ class StackShard:
             kind = name.rpartition(".")[2]
             if kind == "w2_perm":
                 continue
-            part = self.cut(kind, tensor)
+            part = self.cut(kind, tensor).contiguous()  # a parameter is dense, whatever view the cut is
             if self.absent_expert is not None:
                 part = torch.cat([part, torch.zeros_like(part[:1])])
             out[name] = part
