@@ -358,14 +358,14 @@ TILED_CONFIGS = {
     "weight-major-direct": dict(WEIGHT_MAJOR, BLOCK_N=32, DIRECT=True, REDUCE="atomic"),
     "decode-split-k": dict(
         BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True, SPLIT_K=2, PREFETCH=2
-    ),  # fmt: skip
+    ),
 }
 
 
 @pytest.mark.parametrize("name", TILED_CONFIGS)
 def test_tiled_words_run_bit_for_bit_as_their_rows(device, name):
-    """ "mma128_tiles" (what the converter writes) gives exactly the output of the same words as "mma128" rows on
-    every tl family that reads them: H = 384 and I = 256 put w13's up rows four bands of 64 below their gate rows,
+    """The tiles the converter writes give exactly the output of the same words as "mma128" rows on every tl family
+    that reads them: H = 384 and I = 256 put w13's up rows four bands of 64 below their gate rows,
     and w2 and w13 take 2-3 K steps, each from another tile."""
     scheme = GptqScheme(4, 128, False, "gptq")
     rows, sources = make_stack(4, 384, 256, scheme, act_order=True, word_order="mma128")
