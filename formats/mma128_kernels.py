@@ -80,21 +80,27 @@ def _from_mma128_pair(p, q):
     return _swap(p, q, nibble, _NIBBLES)
 
 
+@numba.njit(inline="always")
+def _store_block(source, start, n, block):
+    """Column ``n``'s input rows ``start .. start + 15`` of ``source`` permuted into one "mma128" block: ``block``,
+    8 64-bit words (wherever the layout keeps that row's block)."""
+    high = _SHIFTS[3]
+    for g in range(2):
+        for a in range(2):
+            row = start + 8 * g + a  # word (g, c=0, d=0, a); c=1 is 4 rows on, d=1 2 rows on
+            p = np.uint64(source[row, n]) | (np.uint64(source[row + 4, n]) << high)
+            q = np.uint64(source[row + 2, n]) | (np.uint64(source[row + 6, n]) << high)
+            block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
+
+
 @_compiled_loop
 def transpose_to_mma128(source, target):
     """Input-major "gptq" words ``source [R, N]`` (uint32) -> output-major "mma128" words ``target [N, R/2]`` (uint64,
     the view of ``[N, R]`` uint32 words)."""
     rows, cols = source.shape
-    high = _SHIFTS[3]
     for start in range(0, rows, _BLOCK):
         for n in range(cols):
-            block = target[n, start // 2 : (start + _BLOCK) // 2]
-            for g in range(2):
-                for a in range(2):
-                    row = start + 8 * g + a  # word (g, c=0, d=0, a); c=1 is 4 rows on, d=1 2 rows on
-                    p = np.uint64(source[row, n]) | (np.uint64(source[row + 4, n]) << high)
-                    q = np.uint64(source[row + 2, n]) | (np.uint64(source[row + 6, n]) << high)
-                    block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
+            _store_block(source, start, n, target[n, start // 2 : (start + _BLOCK) // 2])
 
 
 @_compiled_loop
@@ -102,17 +108,10 @@ def transpose_to_mma128_tiles(source, target):
     """:func:`transpose_to_mma128` into "mma128_tiles": ``target [N/64, R/16, 64, 8]`` (uint64, the view of the
     ``[N/64, K/128, 64, 16]`` uint32 tiles), each output row's 16-word block stored straight into its tile."""
     rows, cols = source.shape
-    high = _SHIFTS[3]
     tile_rows = target.shape[2]
     for start in range(0, rows, _BLOCK):
         for n in range(cols):
-            block = target[n // tile_rows, start // _BLOCK, n % tile_rows]
-            for g in range(2):
-                for a in range(2):
-                    row = start + 8 * g + a  # as in transpose_to_mma128
-                    p = np.uint64(source[row, n]) | (np.uint64(source[row + 4, n]) << high)
-                    q = np.uint64(source[row + 2, n]) | (np.uint64(source[row + 6, n]) << high)
-                    block[4 * g + 2 * a], block[4 * g + 2 * a + 1] = _to_mma128_pair(p, q)
+            _store_block(source, start, n, target[n // tile_rows, start // _BLOCK, n % tile_rows])
 
 
 # The inverse, in panels. Turned around, the forward loop reads one 64-byte line per output column across the whole

@@ -29,42 +29,42 @@ def run_compile_worker(script: str, timeout: int = 900) -> list[dict]:
 def ptxas_spills(ptx: str) -> int:
     """Spill bytes (stores + loads) the ptxas of Triton's nvidia backend reports for ``ptx`` built for sm_90a."""
     import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        out = subprocess.run(
-            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-            capture_output=True,
-            text=True,
-        )
-    assert out.returncode == 0, out.stderr[-2000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
-    assert spills, out.stderr
+    report, _ = _assemble(ptx)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills, report
     return sum(int(a) + int(b) for a, b in spills)
 
 
 def local_memory_in_mma_loops(ptx: str) -> int:
     """Local-memory loads and stores (spills) inside the K loops (:func:`local_memory_in_k_loops`) of the SASS ptxas
     builds from ``ptx`` for sm_90a."""
+    _, sass = _assemble(ptx, sass=True)
+    return local_memory_in_k_loops(sass)
+
+
+def _assemble(ptx: str, sass: bool = False) -> tuple[str, str]:
+    """(ptxas's ``-v`` report, with ``sass`` cuobjdump's SASS listing, else "") of ``ptx`` built for sm_90a by the
+    ptxas of Triton's nvidia backend (cuobjdump from the same folder)."""
     import subprocess
     import tempfile
     from pathlib import Path
 
     from triton.backends.nvidia.compiler import get_ptxas
 
-    tools = Path(get_ptxas(90).path).parent
+    ptxas = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         src.write_text(ptx)
-        subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", str(src), "-o", str(cubin)], check=True)
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
-    return local_memory_in_k_loops(sass)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(cubin)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        if not sass:
+            return out.stderr, ""
+        dump = subprocess.run(
+            [str(Path(ptxas).parent / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True
+        )
+    assert dump.returncode == 0, dump.stderr[-2000:]
+    return out.stderr, dump.stdout
 
 
 def local_memory_in_k_loops(sass: str) -> int:
