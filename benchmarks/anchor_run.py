@@ -12,7 +12,7 @@ makes the two changes without editing it, so every checkout measures the same wa
   runtime/kernels/align.py, decode.py), not ``route()`` and then ``fused_moe``;
 - ``project:NAME=VALUE[;NAME=VALUE]`` in ANCHOR_VARIANTS adds the project's call under those environment settings
   (``project:REPACK_GLUON_WS=0``: without the warp-specialized kernels) or module constants
-  (``project:decode.GLUON_DECODE_HIDDEN=3584``), timed beside the others;
+  (``project:decode.GLUON_DECODE_HIDDEN=3584``), timed beside the others, in the bf16 and act-order cells too;
 - ``project_rows`` in ANCHOR_VARIANTS adds the project's call on the same words laid out as version 2's "mma128"
   rows (formats/SPEC.md section 3; a copy per stack, made once per model), so the word layouts are compared in one
   process;
@@ -149,7 +149,10 @@ def adapt(harness: ModuleType) -> None:
 
                 variants["project_rows"] = (project_rows, copies, ctx,
                                             dict(info, entry="routed_moe", words="mma128 rows"))  # fmt: skip
-            for name in which:  # "project:NAME=VALUE[;NAME=VALUE]": the same call under those settings
+            # "project:NAME=VALUE[;NAME=VALUE]": the same call under those settings; the harness runs its extras
+            # (bf16, act-order) with ["project", "marlin"] only, so they are read from ANCHOR_VARIANTS too
+            asked = os.environ.get("ANCHOR_VARIANTS", "").split(",")
+            for name in dict.fromkeys([*which, *asked]):
                 if name.startswith("project:"):
                     settings = dict(item.split("=", 1) for item in name.removeprefix("project:").split(";"))
                     variants[name] = (with_environment(project, settings), copies, ctx,

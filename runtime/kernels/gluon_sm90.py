@@ -24,7 +24,7 @@ instruction, or two sharing the block's activations over 256 rows for large batc
 - One inline-PTX sequence per word and chunk dequantizes two weights: LOP3, a packed add of ``-(bias + zero)``
   (exact), a packed multiply by the scale (one rounding, as GPTQModel's ``fp16(scale * (q - zero))``). fp16
   odd chunks keep their nibble four bits up and fold the shift into an FMA by 1/16 (exact), as the tl kernels do.
-  bf16 multiplies in fp32 by the exact scale and rounds once (four more instructions per two weights), except
+  bf16 multiplies by the fp16 scale split into two bf16 parts (one more instruction per two weights), except
   in token tiles of up to 32 (:func:`scale_after`): there the MMA sums exact ``q - zero`` times x over each K
   step and the step's fp32 sum is multiplied by the group's scale.
 - w13: gate rows ``n`` and up rows ``I + n`` of the same channels form one A tile of ``2 * BLOCK_N`` rows, so
@@ -161,13 +161,20 @@ def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.
     return GluonTile(128, 128, 8, 4, 8)
 
 
+# bf16's top-k sum on the Gluon path: "pairs" (one bf16 row per pair, then kernels/topk_sum.py) or "atomic" (fp32
+# atomics into the [M, H] buffer w13 clears, then a cast): at M = 1024-4096 the sum launch is 2-3% of the call
+# (benchmarks/RESULTS.md 2026-12-07); benchmarks/anchor_run.py measures the other with
+# ``project:gluon_sm90.BF16_REDUCE='atomic'``.
+BF16_REDUCE = "pairs"
+
+
 def heuristic_reduce(dtype: torch.dtype) -> str:
     """The top-k sum beside the heuristic's tile (runtime/kernel_config.py ``reduce``): in fp16, w2's rows added
     straight into the output that w13 cleared, faster than per-pair rows and their sum on every shape and M
     measured but Mixtral and Qwen2-57B at M = 1024 (+1-2%), and 0.4-6.5% of the call faster elsewhere
     (benchmarks/KERNEL_NOTES.md item 18); fp32 atomics lost past M = 256 (twice the bytes of every add). bf16:
     per-pair rows (eight bf16 roundings per element would cost more than the 5e-3 the bf16 path is held to)."""
-    return "out" if dtype == torch.float16 else "pairs"
+    return "out" if dtype == torch.float16 else BF16_REDUCE
 
 
 def preferred(weights: MoeWeights, dtype: torch.dtype) -> bool:
@@ -273,8 +280,9 @@ if available():
                     HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, IS_FP16: gl.constexpr,
                     SCALE_AFTER: gl.constexpr):  # fmt: skip
         """Per row for one group: (scale, -(bias + zero), -(64 + zero)) packed as fp16x2 in the words' layout (fp16;
-        bias 1024), or (fp32 scale, -(128 + zero) as bf16x2, unused) (bf16). With SCALE_AFTER the scale is fp32 in the
-        accumulator's layout (``scale_rows``, ``scale_mask``): the step's sum is scaled, not each weight."""
+        bias 1024), or (the scale's high bf16 part, -(128 + zero), its low part) as bf16x2 (bf16). With SCALE_AFTER
+        the scale is fp32 in the accumulator's layout (``scale_rows``, ``scale_mask``): the step's sum is scaled, not
+        each weight."""
         if SCALE_AFTER:
             scale = gl.load(scales_ptr + group * stride_s_g + scale_rows, mask=scale_mask, other=0.0)
             scale_op = gl.expand_dims(scale.to(gl.float32), 1)
@@ -282,8 +290,11 @@ if available():
             scale = gl.load(scales_ptr + group * stride_s_g + rows, mask=row_mask, other=0.0)
             if IS_FP16:
                 scale_op = gl.expand_dims(_pack2(scale.to(gl.int16, bitcast=True)), 1)
-            else:
-                scale_op = gl.expand_dims(scale.to(gl.float32).to(gl.int32, bitcast=True), 1)
+            else:  # the fp16 scale as the sum of two bf16 (8 + 3 significant bits: exact)
+                high = scale.to(gl.float32).to(gl.bfloat16)
+                low = (scale.to(gl.float32) - high.to(gl.float32)).to(gl.bfloat16)
+                scale_op = gl.expand_dims(_pack2(high.to(gl.int16, bitcast=True)), 1)
+                low_op = gl.expand_dims(_pack2(low.to(gl.int16, bitcast=True)), 1)
         if HAS_ZEROS:
             zero = gl.load(zeros_ptr + group * stride_s_g + rows, mask=row_mask, other=0).to(gl.int32)
         else:
@@ -291,10 +302,11 @@ if available():
         if IS_FP16:
             bias2 = _pack2((-(zero + 1024)).to(gl.float16).to(gl.int16, bitcast=True))
             odd2 = _pack2((-(zero + 64)).to(gl.float16).to(gl.int16, bitcast=True))
+            odd2 = gl.expand_dims(odd2, 1)
         else:
             bias2 = _pack2((-(zero + 128)).to(gl.bfloat16).to(gl.int16, bitcast=True))
-            odd2 = bias2
-        return scale_op, gl.expand_dims(bias2, 1), gl.expand_dims(odd2, 1)
+            odd2 = gl.expand_dims(bias2, 1) if SCALE_AFTER else low_op
+        return scale_op, gl.expand_dims(bias2, 1), odd2
 
     @gluon.jit
     def _dequant_chunk(words, i: gl.constexpr, scale2, bias2, odd2, IS_FP16: gl.constexpr, DTYPE: gl.constexpr,
@@ -313,14 +325,10 @@ if available():
         else:
             src = words >> (4 * i) if i > 0 else words
             FIELDS: gl.constexpr = "lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; add.rn.bf16x2 t, t, $4; "
-            # Widened to fp32 (a shift, a mask), times the exact fp32 scale, rounded once: a bf16-rounded scale would
-            # be one systematic error per row and group (5e-3 relative).
-            SCALE: gl.constexpr = (
-                ""
-                if SCALE_AFTER
-                else "shl.b32 l, t, 16; and.b32 h, t, 0xFFFF0000; mul.f32 l, l, $3; mul.f32 h, h, $3; "
-                "cvt.rn.bf16x2.f32 t, h, l; "
-            )
+            # Times the fp16 scale as high + low bf16 parts ($3, $5): the low product (<= 9 significant bits, rounded
+            # to 8) added into the fused high one, rounded once. A bf16-rounded scale alone would be one systematic
+            # error per row and group (5e-3 relative); widening to fp32 cost four more instructions per two weights.
+            SCALE: gl.constexpr = "" if SCALE_AFTER else "mul.rn.bf16x2 l, t, $5; fma.rn.bf16x2 t, t, $3, l; "
         asm: gl.constexpr = "{ .reg .b32 t, s, l, h; " + FIELDS + SCALE + "mov.b32 {$0, $1}, t; }"
         if SCALE_AFTER:  # the scale is not an operand (and lives in the accumulator's layout)
             scale2 = bias2
