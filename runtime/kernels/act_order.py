@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from repack.runtime.kernels.common import await_previous_kernel, dependent_launches
+
 BLOCK_H = 1024  # columns per program: 16-byte stores of eight fp16/bf16 per thread at 4 warps
 
 
 @triton.jit
 def _gather_kernel(x_ptr, ids_ptr, perm_ptr, out_ptr, H, num_experts, stride_x, TOP_K: tl.constexpr,
-                   BLOCK_H: tl.constexpr):  # fmt: skip
+                   BLOCK_H: tl.constexpr, DEPENDENT: tl.constexpr = False):  # fmt: skip
+    await_previous_kernel(DEPENDENT)
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -40,5 +43,6 @@ def gather_act_order(x: torch.Tensor, topk_ids: torch.Tensor, perm: torch.Tensor
     out = torch.empty(m * top_k, h, dtype=x.dtype, device=x.device)
     if out.numel():
         grid = (m * top_k, triton.cdiv(h, BLOCK_H))
-        _gather_kernel[grid](x, topk_ids, perm, out, h, perm.shape[0], x.stride(0), TOP_K=top_k, BLOCK_H=BLOCK_H)
+        _gather_kernel[grid](x, topk_ids, perm, out, h, perm.shape[0], x.stride(0), TOP_K=top_k, BLOCK_H=BLOCK_H,
+                             **dependent_launches(x.device))  # fmt: skip
     return out

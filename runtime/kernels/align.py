@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from repack.runtime.kernels.common import await_previous_kernel, dependent_launches
 from repack.runtime.kernels.routing import (
     route_into,
     route_outputs,
@@ -174,10 +175,12 @@ def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr
                   total_rows, stride_logits, ticket_ptr, block_experts_ptr, num_blocks_ptr, max_blocks,
                   ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr, FILL: tl.constexpr,
-                  PLACE: tl.constexpr, BLOCK_M: tl.constexpr, ALL_PAIRS: tl.constexpr):  # fmt: skip
+                  PLACE: tl.constexpr, BLOCK_M: tl.constexpr, ALL_PAIRS: tl.constexpr,
+                  DEPENDENT: tl.constexpr = False):  # fmt: skip
     """Step 1: with ROUTE, this chunk's BLOCK_T tokens routed (CHUNK = BLOCK_T * TOP_K pairs); the chunk's pairs
     per expert (ids outside [0, E) are not counted); its share of the sentinel. With PLACE, then a ticket: the
     program that takes the last one places every pair (:func:`_place_in_order`), and no counts are stored."""
+    await_previous_kernel(DEPENDENT)
     chunk = tl.program_id(0)
     chunks = tl.num_programs(0)
     num_pairs = num_tokens * TOP_K
@@ -201,10 +204,12 @@ def _count_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr
 
 @triton.jit
 def _scan_kernel(counts_ptr, cursors_ptr, block_experts_ptr, num_blocks_ptr, chunks, max_blocks,
-                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TILE_C: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TILE_C: tl.constexpr, FILL: tl.constexpr,
+                 DEPENDENT: tl.constexpr = False):  # fmt: skip
     """Step 1.5, where the [chunks, E] counts exceed one tile: ``cursors[c, e]``, the first slot of chunk c's
     pairs of expert e (segment start + pairs of e in the chunks before c); the block count; -1 for the expert of
     every block past it."""
+    await_previous_kernel(DEPENDENT)
     experts = tl.arange(0, BLOCK_E)
     rows = tl.arange(0, TILE_C)
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -227,9 +232,10 @@ def _scan_kernel(counts_ptr, cursors_ptr, block_experts_ptr, num_blocks_ptr, chu
 def _scatter_kernel(ids_ptr, counts_ptr, cursors_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
                     num_pairs, num_experts, max_blocks, chunks, SCAN: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr, TILE_C: tl.constexpr,
-                    FILL: tl.constexpr):  # fmt: skip
+                    FILL: tl.constexpr, DEPENDENT: tl.constexpr = False):  # fmt: skip
     """Step 2: with SCAN, this chunk's cursors from the [chunks (<= TILE_C), E] counts (and, in program 0, the
     block count and the -1 owners past it); then every pair of the chunk placed (:func:`_place`)."""
+    await_previous_kernel(DEPENDENT)
     chunk = tl.program_id(0)
     cursors_ptr += chunk * BLOCK_E
     if SCAN:
@@ -249,13 +255,14 @@ def _one_program_kernel(logits_ptr, weights_ptr, ids_ptr, cursors_ptr, sorted_pa
                         num_blocks_ptr, num_tokens, num_experts, total_rows, max_blocks, stride_logits,
                         ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PAIRS: tl.constexpr,
-                        FILL: tl.constexpr):  # fmt: skip
+                        FILL: tl.constexpr, DEPENDENT: tl.constexpr = False):  # fmt: skip
     """Routing (with ROUTE: all BLOCK_T tokens in one step) and the whole alignment in one program, for calls of
     up to MAX_CHUNK pairs.
 
     The counts and segment starts stay in registers: the only global round trips after the ids are one barrier
     (the cursors, stored as the segment starts, and the sentinel fill, visible to every thread) and one atomic
     per pair."""
+    await_previous_kernel(DEPENDENT)
     num_pairs = num_tokens * TOP_K
     if ROUTE:
         pairs, ids, placed = route_tokens(logits_ptr, weights_ptr, ids_ptr, 0, num_tokens, num_experts,
@@ -305,6 +312,7 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
     stride_logits = logits.stride(0) if routing else 0
     aligned = rows_aligned(logits) if routing else True
     route = dict(ROUTE=routing is not None, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e)
+    dependent = dependent_launches(device)
     if num_pairs <= MAX_CHUNK and (routing is None or num_tokens <= one_program_tokens(num_experts, top_k)):
         block_t = triton.next_power_of_2(num_tokens)
         # Warps: routing.route_warps; without routing 8 from 512 pairs on (measured faster there).
@@ -313,7 +321,7 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
         _one_program_kernel[(1,)](
             logits, weights, ids_flat, scratch, sorted_pairs, block_experts, scratch[-1:], num_tokens, num_experts,
             total_rows, max_blocks, stride_logits, BLOCK_T=block_t, BLOCK_M=block_m,
-            PAIRS=max(16, triton.next_power_of_2(num_pairs)), FILL=1024, num_warps=warps, **route,
+            PAIRS=max(16, triton.next_power_of_2(num_pairs)), FILL=1024, num_warps=warps, **route, **dependent,
         )  # fmt: skip
         return Alignment(sorted_pairs, block_experts, scratch[-1:], block_m)
     if routing is not None and triton.cdiv(num_tokens, token_block(num_experts)) * block_e > SCAN_TILE:
@@ -344,6 +352,7 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
         _ticket(device) if place else num_blocks, block_experts, num_blocks, max_blocks, BLOCK_T=block_t,
         PLACE=place, BLOCK_M=block_m, ALL_PAIRS=max(16, triton.next_power_of_2(num_pairs)),
         num_warps=route_warps(block_t * block_e, aligned) if route["ROUTE"] else 4, **dict(route, **sizes),
+        **dependent,
     )  # fmt: skip
     if place:
         return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
@@ -351,11 +360,11 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, routing=None) -> A
         # Four warps: eight measured 1.9x slower at 32 chunks (5.5 against 2.9 us, KERNEL_NOTES item 18).
         _scan_kernel[(1,)](
             counts, cursors, block_experts, num_blocks, chunks, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
-            TILE_C=tile_c, FILL=1024,
+            TILE_C=tile_c, FILL=1024, **dependent,
         )  # fmt: skip
     _scatter_kernel[(chunks,)](
         ids_flat, counts, cursors, sorted_pairs, block_experts, num_blocks, num_pairs, num_experts, max_blocks,
-        chunks, SCAN=scan_here, BLOCK_M=block_m, TILE_C=tile_c, **sizes,
+        chunks, SCAN=scan_here, BLOCK_M=block_m, TILE_C=tile_c, **sizes, **dependent,
     )  # fmt: skip
     return Alignment(sorted_pairs, block_experts, num_blocks, block_m)
 

@@ -1,5 +1,6 @@
 """Which backend the kernels run on: a CUDA GPU, or on the CPU the Triton interpreter (tests, no GPU). (Whether a
-device runs the Gluon sm_90 kernels is theirs to say: runtime/kernels/gluon_sm90.py ``runs_on``.)
+device runs the Gluon sm_90 kernels is theirs to say: runtime/kernels/gluon_sm90.py ``runs_on``.) And whether a
+GPU lets each launch start before the kernel ahead of it ends (:func:`dependent_launch`).
 
 Why a check: Triton decides at import whether its kernels are interpreted, so a CPU run whose triton was imported
 without ``TRITON_INTERPRET=1`` dies deep inside Triton ("0 active drivers"); callers check first and say what to do.
@@ -42,3 +43,22 @@ def interpreter_active() -> bool:
 
     kernels = (gptq_order._w13_kernel, gptq_linear._gptq_linear_kernel)
     return all(isinstance(kernel, InterpretedFunction) for kernel in kernels)
+
+
+DEPENDENT_LAUNCH_ENV = "REPACK_DEPENDENT_LAUNCH"  # "1": dependent launches (off until measured, KERNEL_NOTES item 33)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether this call's kernels are launched as programmatic dependents of the kernel before each (Hopper and
+    up, CUDA only, never interpreted): a kernel's programs are scheduled while the one before it still runs, do
+    what needs nothing it writes (their weights' first loads, their setup), then wait for it to end
+    (kernels/common.py ``await_previous_kernel``). Between the few-microsecond kernels of a decode step the launch
+    gaps and each kernel's ramp are a third of the call (benchmarks/KERNEL_NOTES.md item 33).
+    ``$REPACK_DEPENDENT_LAUNCH=1`` turns it on: not yet measured on a GPU, it stays off by default."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and os.environ.get(DEPENDENT_LAUNCH_ENV, "") == "1"
+        and not interpreter_active()
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )

@@ -9,14 +9,39 @@ import triton
 import triton.language as tl
 
 from repack.runtime.kernel_config import fit_config
+from repack.runtime.kernels.backend import dependent_launch
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # activation dtype -> Triton's
 
 
+def dependent_launches(device: torch.device) -> dict:
+    """A launch's keywords for :func:`await_previous_kernel`'s constexpr and Triton's launch option: a dependent
+    launch where backend.dependent_launch says so."""
+    dependent = dependent_launch(device)
+    return dict(DEPENDENT=dependent, launch_pdl=dependent)
+
+
 @triton.jit
-def expert_of(topk_ids_ptr, pair, num_experts):
-    """The pair's expert, clamped into the stack: a bad id (NaN router logits) must not read past the weights."""
-    return tl.minimum(tl.maximum(tl.load(topk_ids_ptr + pair), 0), num_experts - 1).to(tl.int64)
+def await_previous_kernel(DEPENDENT: tl.constexpr):
+    """A dependent launch (backend.dependent_launch) waits here until the kernel before it has ended and its writes
+    are visible: before its first read of anything a kernel before it wrote, and before its first write (the
+    memory may still be read by it); weights and the launch's own arguments may be read before. Then lets the
+    kernel after it be scheduled: its programs take the SM room this one's finished programs leave."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def expert_of(topk_ids_ptr, pair, num_experts, FROM_L2: tl.constexpr = False):
+    """The pair's expert, clamped into the stack: a bad id (NaN router logits) must not read past the weights.
+    FROM_L2: read past the SM's L1 (``.cg``), for a dependent launch reading ids a kernel two launches back wrote
+    before it waits (that kernel had ended when the one between them passed its own wait)."""
+    if FROM_L2:
+        expert = tl.load(topk_ids_ptr + pair, cache_modifier=".cg")
+    else:
+        expert = tl.load(topk_ids_ptr + pair)
+    return tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)
 
 
 @triton.jit

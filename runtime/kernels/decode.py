@@ -32,7 +32,16 @@ import triton.language as tl
 
 from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels import gluon_sm90
-from repack.runtime.kernels.common import TL_DTYPES, expert_of, projection_args, quant_params, word_mask, word_rows
+from repack.runtime.kernels.common import (
+    TL_DTYPES,
+    await_previous_kernel,
+    dependent_launches,
+    expert_of,
+    projection_args,
+    quant_params,
+    word_mask,
+    word_rows,
+)
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.kernels.routing import route_tokens
 from repack.runtime.weights import MoeWeights
@@ -181,11 +190,13 @@ def _prepare_kernel(
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
     # routing in this launch (ROUTE, never with HAS_PERM: act-order rows need their ids first)
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """One K block of one prepared row (a token, or a pair under act-order, whose expert's permutation gathers
     it), then this program's share of the zeroed scratch: both jobs of the decode's first launch. With ROUTE the
     first K block's program of each token also routes it (kernels/routing.py), so w13 finds its ids: routing
     costs decode no launch of its own."""
+    await_previous_kernel(DEPENDENT)
     row = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     if ROUTE:  # noqa: SIM102 (a constexpr: without it the routing is not compiled at all)
@@ -259,6 +270,7 @@ def _w13_decode_kernel(
     HAS_PERM: tl.constexpr, ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
     # kernel switches and tile
     SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels,
     written as w2's prepared input (field-major, pre-scaled fp32 of the value rounded to the activation dtype).
@@ -267,6 +279,7 @@ def _w13_decode_kernel(
     so the arithmetic of a block never waits on the memory it needs. With SPLIT_K, program_id(2) takes one
     slice of K; the slices meet in fp32 sums and the last to arrive applies SiLU: more programs, and more bytes
     in flight, when the pairs alone do not fill the GPU."""
+    await_previous_kernel(DEPENDENT)  # the prepare launch routes the pairs: nothing to load before
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = expert_of(topk_ids_ptr, pair, num_experts)
@@ -344,15 +357,19 @@ def _w2_decode_kernel(
     ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr,
     # kernel switches and tile
     REDUCE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """out[token, n] = sum over the token's pairs of w[pair] * (W2[e] @ inter[pair])[n], BLOCK_N channels of one
     pair (and one K slice) per program.
 
     With REDUCE (top-k > 1 or split-K) every program adds its share into the token's fp32 row and the last of
-    the token's TOP_K * slices programs writes the row out in the activation dtype: no torch sum, no cast."""
+    the token's TOP_K * slices programs writes the row out in the activation dtype: no torch sum, no cast.
+
+    A dependent launch loads its first weight blocks while w13 still runs (the ids were written two launches
+    back, by the prepare launch, and are read from L2) and waits for w13 before its intermediate."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = expert_of(topk_ids_ptr, pair, num_experts)
+    expert = expert_of(topk_ids_ptr, pair, num_experts, DEPENDENT)
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -371,6 +388,7 @@ def _w2_decode_kernel(
     w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, stride_qw_step,
                               group_len, stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
                               BLOCK_K)  # fmt: skip
+    await_previous_kernel(DEPENDENT)  # w13's intermediate from here on
     x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(inter_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
@@ -478,6 +496,7 @@ def launch(
     blocks = k_pad // block_k
     zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
     order = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
+    launched = dependent_launches(x.device)
     if routing is not None and has_perm:
         raise ValueError("decode.launch: routing inside the prepare launch needs a stack without act-order")
     logits, renormalize = routing if routing is not None else (x, False)  # logits unread without ROUTE
@@ -505,6 +524,7 @@ def launch(
         BLOCK_E=triton.next_power_of_2(weights.num_experts),
         num_warps=1,
         **order,
+        **launched,
     )
     shared = dict(
         topk_ids_ptr=topk_ids,
@@ -522,6 +542,7 @@ def launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **order,
+        **launched,
     )
     views = scratch.views
     args13 = projection_args(

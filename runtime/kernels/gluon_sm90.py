@@ -54,7 +54,7 @@ from repack.runtime.kernels import weight_major
 from repack.runtime.kernels.act_order import gather_act_order
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.backend import interpreter_active
-from repack.runtime.kernels.common import tile_ids, word_rows, word_strides
+from repack.runtime.kernels.common import await_previous_kernel, dependent_launches, tile_ids, word_rows, word_strides
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
 from repack.runtime.weights import MoeWeights
 
@@ -516,13 +516,14 @@ if available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         HAS_PERM: gl.constexpr, ZERO_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-        SCALE_AFTER: gl.constexpr,
+        SCALE_AFTER: gl.constexpr, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """inter[pair, n] = silu(gate_n . x) * (up_n . x): gate rows then up rows of BLOCK_N channels form one
         A tile of 2 * BLOCK_N rows, split by the epilogue. With ZERO_OUT, also ``zero_ptr[:zero_numel] = 0``."""
         ROWS: gl.constexpr = 2 * BLOCK_N
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
+        await_previous_kernel(DEPENDENT)
         if ZERO_OUT:
             _zero_share(zero_ptr, zero_numel)
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
@@ -557,9 +558,10 @@ if available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-        SCALE_AFTER: gl.constexpr,
+        SCALE_AFTER: gl.constexpr, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
+        await_previous_kernel(DEPENDENT)
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
         OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
@@ -660,6 +662,7 @@ def launch(
         x.stride(0), *word_strides(w13, weights.tiled), s13.stride(0), s13.stride(1), inter.stride(0),
         **launch_constants(tile, "w13", top_k=1 if x_per_pair else top_k, group_len=weights.group_len(h),
                            has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out, dtype=x.dtype),
+        **dependent_launches(x.device),
     )  # fmt: skip
     launch_w2(inter, weights, topk_ids, topk_weights, rows, target, tile, config.reduce)
 
@@ -685,6 +688,7 @@ def launch_w2(
         inter.stride(0), *word_strides(w2, weights.tiled), s2.stride(0), s2.stride(1), target.stride(0),
         **launch_constants(tile, "w2", top_k=topk_ids.shape[1], group_len=weights.group_len(n_inter),
                            has_zeros=weights.w2_zeros is not None, atomic=reduce != "pairs", dtype=inter.dtype),
+        **dependent_launches(inter.device),
     )  # fmt: skip
 
 

@@ -40,7 +40,7 @@ from repack.formats.errors import RepackError
 from repack.runtime.kernel_config import PERSISTENT_REGISTERS, GluonTile
 from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.align import Alignment
-from repack.runtime.kernels.common import tile_ids
+from repack.runtime.kernels.common import await_previous_kernel, dependent_launches, tile_ids
 from repack.runtime.weights import MoeWeights
 
 if gluon_sm90.available():
@@ -315,10 +315,12 @@ if gluon_sm90.available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ZERO_OUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, TILES: gl.constexpr,
+        DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """inter = silu(x W_gate^T) * (x W_up^T) over the aligned blocks; with ZERO_OUT also ``zero_ptr[:zero_numel]
         = 0`` (the target w2 adds the top-k into)."""
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
+        await_previous_kernel(DEPENDENT)
         if ZERO_OUT:
             _zero_share(zero_ptr, zero_numel)
         w_smem, x_smem, ready, empty = _ring(DTYPE, 2 * BLOCK_N, BLOCK_M, STAGES)
@@ -340,11 +342,12 @@ if gluon_sm90.available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, STREAM_K: gl.constexpr,
-        TILES: gl.constexpr,
+        TILES: gl.constexpr, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
         the (tile, K step) work)."""
         DTYPE: gl.constexpr = inter_ptr.dtype.element_ty
+        await_previous_kernel(DEPENDENT)
         w_smem, x_smem, ready, empty = _ring(DTYPE, BLOCK_N, BLOCK_M, STAGES)
         # fmt: off
         gl.warp_specialize([
@@ -416,7 +419,7 @@ def launch(
     common = dict(SYM_ZERO=8, HAS_ZEROS=has_zeros, BLOCK_M=tile.block_m, GROUP_M=tile.group_m, STAGES=tile.stages,
                   TILES=weights.tiled,
                   SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=producer_regs(tile), num_warps=4,
-                  maxnreg=PERSISTENT_REGISTERS[tile.per_sm])  # fmt: skip
+                  maxnreg=PERSISTENT_REGISTERS[tile.per_sm], **dependent_launches(x.device))  # fmt: skip
     grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, 64), x.device, tile.per_sm),)
     _w13_ws_kernel[grid13](
         words_descriptor(weights.w13_qweight, weights.tiled), x, s13, zeros13, inter, rows.sorted_pairs,

@@ -14,6 +14,7 @@ import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
 from repack.formats.errors import RepackError
+from repack.runtime.kernels.common import await_previous_kernel, dependent_launches
 
 # Router logits per warp of a routing program (the routing kernel, the alignment's one program, a routed count
 # program): each thread's share of the softmax and of the top-k is issue time on the call's critical path. Rows
@@ -89,7 +90,9 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  DEPENDENT: tl.constexpr = False):  # fmt: skip
+    await_previous_kernel(DEPENDENT)
     route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens, num_experts,
                  stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E)  # fmt: skip
 
@@ -153,4 +156,5 @@ def route_into(
         router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), TOP_K=top_k,
         RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
         num_warps=route_warps(block_t * block_e, rows_aligned(router_logits)),
+        **dependent_launches(router_logits.device),
     )  # fmt: skip

@@ -12,12 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernels.common import TL_DTYPES
+from repack.runtime.kernels.common import TL_DTYPES, await_previous_kernel, dependent_launches
 
 
 @triton.jit
 def _topk_sum_kernel(rows_ptr, out_ptr, num_tokens, H, stride_out, stride_out_h, TOP_K: tl.constexpr,
-                     OUT_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                     OUT_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                     DEPENDENT: tl.constexpr = False):  # fmt: skip
+    await_previous_kernel(DEPENDENT)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (tokens[:, None] < num_tokens) & (cols[None, :] < H)
@@ -38,6 +40,6 @@ def topk_sum(rows: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(m, block_t), triton.cdiv(h, block_h))
     _topk_sum_kernel[grid](
         rows, out, m, h, out.stride(0), out.stride(1), TOP_K=top_k, OUT_DTYPE=TL_DTYPES[out.dtype], BLOCK_T=block_t,
-        BLOCK_H=block_h, num_warps=4,
+        BLOCK_H=block_h, num_warps=4, **dependent_launches(out.device),
     )  # fmt: skip
     return out

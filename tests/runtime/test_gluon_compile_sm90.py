@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.support.sm90 import SM90_SHARED_LIMIT, ptxas_spills
+from tests.support.sm90 import SM90_SHARED_LIMIT, before_dependency_wait, ptxas_spills
 
 VARIANTS = [("float16", False), ("bfloat16", True)]  # (activation dtype, asym with act-order)
 
@@ -42,6 +42,7 @@ for name, kernel in (("w13", g._w13_kernel), ("w2", g._w2_kernel)):
     consts = g.launch_constants(cfg, name, top_k=8, group_len=128, has_zeros=asym, has_perm=asym, atomic=True,
                                 zero_out=True, dtype=getattr(torch, act))
     num_warps = consts.pop("num_warps")
+    consts["DEPENDENT"] = True  # as launched on sm_90 (kernels/backend.py dependent_launch)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
@@ -104,6 +105,8 @@ def test_shipped_and_tuned_gluon_configs_compile_for_sm90(act, asym):
             where = f"{cfg} {name} {act}"
             assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
             assert ptxas_spills(kernel["ptx"]) == 0, f"{where}: spills to local memory"
+            untouched = {"waits": 1, "loads": 0, "l2_loads": 0, "writes": 0}  # the kernel before ends first
+            assert before_dependency_wait(kernel["ptx"]) == untouched, f"{where}: global memory before the wait"
             atomics = re.findall(r"\batom\.[\w.]+", kernel["ptx"])
             assert all(".relaxed." in a for a in atomics), f"{where}: ordered atomics fence every add ({atomics})"
             assert atomics or name == "w13", f"{where}: the atomic top-k sum has no atomics"

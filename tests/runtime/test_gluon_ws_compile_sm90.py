@@ -22,6 +22,7 @@ from tests.runtime.test_gluon_compile_sm90 import loop_waits
 from tests.support.sm90 import (
     SM90_BLOCK_RESERVED,
     SM90_SHARED_PER_SM,
+    before_dependency_wait,
     local_memory_in_k_loops,
     local_memory_in_mma_loops,
     ptxas_spills,
@@ -52,7 +53,7 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m,
                   BLOCK_N=w2_rows if name == "w2" else 64, GROUP_M=tile.group_m, STAGES=tile.stages,
                   PRODUCER_REGS=producer_regs,
-                  SCALE_AFTER=step_sum, TILES=tiles)
+                  SCALE_AFTER=step_sum, TILES=tiles, DEPENDENT=True)  # dependent launches, as on sm_90
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 writes rows per pair (heuristic_reduce)
     atomic = act == "float16"
     consts.update(dict(ZERO_OUT=atomic) if name == "w13" else dict(ATOMIC=atomic, STREAM_K=atomic))
@@ -154,6 +155,8 @@ def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_reg
         assert re.search(split, ptx), f"{where}: no producer register split"
         assert "setmaxnreg.dec" in ptx, f"{where}: no warpgroup gives registers back"
         assert "cp.async.bulk.tensor" in ptx, f"{where}: the words do not come by TMA"
+        untouched = {"waits": 1, "loads": 0, "l2_loads": 0, "writes": 0}  # the kernel before ends first
+        assert before_dependency_wait(ptx) == untouched, f"{where}: global memory before the wait"
         assert "cp.async.mbarrier.arrive" in ptx, f"{where}: the activations' copies do not complete the stage"
         assert [n for n in loop_waits(ptx) if n >= 1], f"{where}: no wgmma in flight in the K loop"
         atomics = re.findall(r"\batom\.[\w.]+", ptx)

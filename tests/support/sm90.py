@@ -83,3 +83,26 @@ def local_memory_in_k_loops(sass: str) -> int:
     k_loops = [(lo, hi) for lo, hi in mma if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b in mma)]
     local = [at for at, op in code if re.search(r"\b(STL|LDL)\b", op)]
     return sum(1 for at in local if any(lo <= at <= hi for lo, hi in k_loops))
+
+
+def before_dependency_wait(ptx: str) -> dict[str, int]:
+    """What ``ptx`` does to global memory before its first ``griddepcontrol.wait`` (a dependent launch's wait for the
+    kernel before it, runtime/kernels/common.py ``await_previous_kernel``), in the PTX's own order: the kernels
+    wait at their top, before any branch, so that order is the order they run in. ``{"waits": 0/1, "loads": global
+    loads and copies from global, "l2_loads": those of them past L1 (.cg), "writes": stores and atomics}``; no wait
+    at all counts the whole kernel."""
+    import re
+
+    found = {"waits": 0, "loads": 0, "l2_loads": 0, "writes": 0}
+    for line in ptx.splitlines():
+        words = re.sub(r"^@!?%p\d+\s+", "", line.strip()).split()  # a predicated instruction counts as one
+        op = words[0] if words else ""
+        if op.startswith("griddepcontrol.wait"):
+            found["waits"] = 1
+            break
+        if op.startswith(("ld.global", "cp.async.cg.shared.global", "cp.async.ca.shared.global", "cp.async.bulk")):
+            found["loads"] += 1
+            found["l2_loads"] += ".cg" in op
+        elif op.startswith(("st.global", "atom.", "red.")):
+            found["writes"] += 1
+    return found
