@@ -1,10 +1,12 @@
 """Markdown tables of one same-process run against Marlin (../shared/bench-marlin's anchor_results.json).
 
-    python benchmarks/anchor_report.py RESULTS.json [--launches]
+    python benchmarks/anchor_report.py RESULTS.json [--launches] [--ours VARIANT] [--variants]
 
 Prints ours/Marlin per model and M (below 1: we are faster), each cell's times, and with ``--launches`` where
 every call's time goes (runs made through benchmarks/anchor_run.py: torch.profiler over the graph replay), so a
-change can be predicted against the row it should move. What RESULTS.md records comes from here.
+change can be predicted against the row it should move. ``--ours`` takes another of the run's project variants
+(``project:NAME=VALUE``, anchor_run.py) as ours, where a cell has it; ``--variants`` adds every variant of every
+cell side by side, each over ``project``. What RESULTS.md records comes from here.
 """
 
 from __future__ import annotations
@@ -27,33 +29,38 @@ def label(row: dict) -> str:
     return row["model"] + ("" if row["tag"] == "main" else f" {row['tag']}")
 
 
-def ratio_table(rows: list[dict]) -> list[str]:
+def ours_of(row: dict, ours: str) -> dict:
+    """The cell's record of variant ``ours``, or of "project" where the cell lacks it."""
+    return row["variants"].get(ours) or row["variants"].get("project", {})
+
+
+def ratio_table(rows: list[dict], ours_name: str = "project") -> list[str]:
     """ours / Marlin per model (rows) and M (columns)."""
     ms = sorted({r["M"] for r in rows})
     cells: dict[str, dict[int, str]] = defaultdict(dict)
     for r in rows:
-        ours, marlin = (r["variants"].get(v, {}).get("us") for v in ("project", "marlin"))
+        ours, marlin = ours_of(r, ours_name).get("us"), r["variants"].get("marlin", {}).get("us")
         cells[label(r)][r["M"]] = f"{ours / marlin:.2f}" if ours and marlin else "-"
     lines = ["| ours / Marlin | " + " | ".join(f"M={m}" for m in ms) + " |", "|---" * (len(ms) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(c.get(m, "") for m in ms) + " |" for name, c in cells.items()]
     return lines
 
 
-def times_table(rows: list[dict]) -> list[str]:
+def times_table(rows: list[dict], ours_name: str = "project") -> list[str]:
     """floor / ours / Marlin / vLLM fp16 Triton microseconds, and our error against float32."""
     lines = ["| model | M | kernels | floor | ours | Marlin | fp16 Triton | ours/Marlin | ours/floor | ours err |"]
     lines.append("|---" * 10 + "|")
     fmt = lambda a, spec=".1f": format(a, spec) if a else "-"  # noqa: E731
     for r in rows:
-        v = r["variants"]
-        ours, marlin, fp16 = (v.get(n, {}).get("us") for n in ("project", "marlin", "triton_fp16"))
-        config = v.get("project", {}).get("config")
+        v, mine = r["variants"], ours_of(r, ours_name)
+        ours, marlin, fp16 = mine.get("us"), v.get("marlin", {}).get("us"), v.get("triton_fp16", {}).get("us")
+        config = mine.get("config")
         path = config.get("kernel_path", "") if isinstance(config, dict) else ""
         floor = r.get("floor_us")
         lines.append(
             f"| {label(r)} | {r['M']} | {path.split('.')[-1]} | {fmt(floor)} | {fmt(ours)} | "
             f"{fmt(marlin)} | {fmt(fp16)} | {fmt(ours and marlin and ours / marlin, '.2f')} | "
-            f"{fmt(ours and floor and ours / floor, '.2f')} | {v.get('project', {}).get('rel_err', float('nan')):.1e} |"
+            f"{fmt(ours and floor and ours / floor, '.2f')} | {mine.get('rel_err', float('nan')):.1e} |"
         )
     return lines
 
@@ -62,7 +69,7 @@ def launches_table(rows: list[dict], variant: str = "project") -> list[str]:
     """Per call: the total, the glue (every launch but the GEMMs) and its share, then every launch."""
     lines = [f"| model | M | call | glue | glue % | launches ({variant}, us per call) |", "|---" * 6 + "|"]
     for r in rows:
-        rec = r["variants"].get(variant, {})
+        rec = ours_of(r, variant) if variant != "marlin" else r["variants"].get(variant, {})
         if "launches" not in rec:
             continue
         glue = sum(x["us"] for x in rec["launches"] if not is_gemm(x["name"]))
@@ -74,16 +81,35 @@ def launches_table(rows: list[dict], variant: str = "project") -> list[str]:
     return lines
 
 
+def variants_table(rows: list[dict]) -> list[str]:
+    """Every variant of every cell, microseconds, each project variant also over ``project`` (the same process)."""
+    names = list(dict.fromkeys(n for r in rows for n in r["variants"]))
+    lines = ["| model | M | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
+    for r in rows:
+        base = r["variants"].get("project", {}).get("us")
+        cells = []
+        for name in names:
+            us = r["variants"].get(name, {}).get("us")
+            ratio = f" ({us / base:.3f})" if us and base and name.startswith("project:") else ""
+            cells.append(f"{us:.1f}{ratio}" if us else "-")
+        lines.append(f"| {label(r)} | {r['M']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path)
     parser.add_argument("--launches", action="store_true", help="add the per-launch tables (ours and Marlin)")
+    parser.add_argument("--ours", default="project", help="the variant that is ours (where a cell has it)")
+    parser.add_argument("--variants", action="store_true", help="add every variant of every cell side by side")
     args = parser.parse_args(argv)
     data = json.loads(args.results.read_text())
     rows = [r for r in data["rows"] if "variants" in r]
-    out = ratio_table(rows) + [""] + times_table(rows)
+    out = ratio_table(rows, args.ours) + [""] + times_table(rows, args.ours)
     if args.launches:
-        out += [""] + launches_table(rows, "project") + [""] + launches_table(rows, "marlin")
+        out += [""] + launches_table(rows, args.ours) + [""] + launches_table(rows, "marlin")
+    if args.variants:
+        out += [""] + variants_table(rows)
     print("\n".join(out))
 
 
