@@ -54,8 +54,8 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
                   BLOCK_N=w2_rows if name == "w2" else 64, GROUP_M=tile.group_m, STAGES=tile.stages,
                   PRODUCER_REGS=producer_regs,
                   SCALE_AFTER=step_sum, TILES=tiles, DEPENDENT=True)  # dependent launches, as on sm_90
-    # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 writes rows per pair (heuristic_reduce)
-    atomic = act == "float16"
+    # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 as gluon_sm90.heuristic_reduce says
+    atomic = gluon_sm90.heuristic_reduce(getattr(torch, act)) != "pairs"
     consts.update(dict(ZERO_OUT=atomic) if name == "w13" else dict(ATOMIC=atomic, STREAM_K=atomic))
     sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in kernel.arg_names}
