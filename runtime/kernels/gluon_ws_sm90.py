@@ -103,8 +103,12 @@ W2_STREAM_K = True
 # Qwen3-235B M = 64 171 -> 154), never slower; a deeper ring of 64-row tiles had not helped (the step, not the bytes
 # in flight, was the limit).
 W2_ROWS = 128
+# K steps of its first tile a dependent w2 program asks L2 for before it waits for w13 (:func:`_prefetch_first_steps`):
+# 8 x 8 KB a program, 34 MB for 528 programs at most, under the H100's 50 MB L2.
+PREFETCH_STEPS = 8
 STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [W2_ROWS, block_m] sum)
 _STREAM_K_MIN_STEPS = gl.constexpr(STREAM_K_MIN_STEPS) if gluon_sm90.available() else None
+_PREFETCH_STEPS = gl.constexpr(PREFETCH_STEPS) if gluon_sm90.available() else None
 
 
 if gluon_sm90.available():
@@ -129,6 +133,31 @@ if gluon_sm90.available():
             return start // num_steps, gl.cdiv(end, num_steps), 1, start, end
         else:
             return gl.program_id(0), num_tiles, gl.num_programs(0), 0, num_tiles * num_steps
+
+    @gluon.jit
+    def _prefetch_first_steps(qw_ptr, block_experts_ptr, num_blocks_ptr, N, K, BLOCK_N: gl.constexpr,
+                              GROUP_M: gl.constexpr, STREAM_K: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
+        """Before a dependent w2 waits for w13 (runtime/kernels/backend.py dependent_launch): the words of its first
+        tile's first STEPS K steps asked of L2, every 128-byte line (``prefetch.global.L2``), so they stream while
+        w13's last programs still run (a thin last round of whole tiles: KERNEL_NOTES.md items 32-33). The block
+        count and the experts come from the alignment, two launches back, read past L1. "mma128_tiles" words only
+        (``qw_ptr``: the stack's [E, N/64, K/128, 64, 16] int32)."""
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        num_tiles = gl.load(num_blocks_ptr, cache_modifier=".cg") * n_tiles
+        num_steps = K // 128
+        first, last, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
+        if first < last:
+            step0, step1 = _tile_steps(first, num_steps, start, end)
+            pid_m, pid_n = tile_ids(first, num_tiles // n_tiles, n_tiles, GROUP_M)
+            expert = gl.load(block_experts_ptr + pid_m, cache_modifier=".cg").to(gl.int64)
+            BOXES: gl.constexpr = BLOCK_N // 64
+            LINES: gl.constexpr = STEPS * BOXES * 32  # a box (64 rows of one K step) is 4 KB: 32 lines
+            i = gl.arange(0, LINES, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+            step = gl.minimum(step0 + i // (BOXES * 32), step1 - 1)
+            band = (expert * N + pid_n * BLOCK_N) // 64 + i // 32 % BOXES
+            words = qw_ptr + (band * num_steps + step) * 1024 + i % 32 * 32
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [words], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
     def _tile_steps(t, num_steps, start, end):
@@ -337,16 +366,19 @@ if gluon_sm90.available():
 
     @gluon.jit
     def _w2_ws_kernel(
-        w_desc, inter_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
-        num_blocks_ptr, num_pairs, N, K, stride_inter, stride_s_e, stride_s_g, stride_out,
+        w_desc, qw_ptr, inter_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr,
+        block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_inter, stride_s_e, stride_s_g, stride_out,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, STREAM_K: gl.constexpr,
         TILES: gl.constexpr, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
-        the (tile, K step) work)."""
+        the (tile, K step) work). A dependent launch on tiled words first asks L2 for its first steps' words."""
         DTYPE: gl.constexpr = inter_ptr.dtype.element_ty
+        if DEPENDENT and TILES and _PREFETCH_STEPS > 0:
+            _prefetch_first_steps(qw_ptr, block_experts_ptr, num_blocks_ptr, N, K, BLOCK_N, GROUP_M, STREAM_K,
+                                  _PREFETCH_STEPS)  # fmt: skip
         await_previous_kernel(DEPENDENT)
         w_smem, x_smem, ready, empty = _ring(DTYPE, BLOCK_N, BLOCK_M, STAGES)
         # fmt: off
@@ -439,9 +471,8 @@ def launch(
         work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
     grid2 = (programs(work2, x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
-        words_descriptor(weights.w2_qweight, weights.tiled), inter, s2, zeros2, topk_weights, target,
-        rows.sorted_pairs,
-        rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0), s2.stride(0), s2.stride(1),
-        target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=W2_ROWS,
-        STREAM_K=stream_k, **common,
+        words_descriptor(weights.w2_qweight, weights.tiled), weights.w2_qweight, inter, s2, zeros2, topk_weights,
+        target, rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0),
+        s2.stride(0), s2.stride(1), target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter),
+        ATOMIC=atomic, BLOCK_N=W2_ROWS, STREAM_K=stream_k, **common,
     )  # fmt: skip
