@@ -108,7 +108,6 @@ W2_ROWS = 128
 PREFETCH_STEPS = 8
 STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [W2_ROWS, block_m] sum)
 _STREAM_K_MIN_STEPS = gl.constexpr(STREAM_K_MIN_STEPS) if gluon_sm90.available() else None
-_PREFETCH_STEPS = gl.constexpr(PREFETCH_STEPS) if gluon_sm90.available() else None
 
 
 if gluon_sm90.available():
@@ -371,14 +370,14 @@ if gluon_sm90.available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, STREAM_K: gl.constexpr,
-        TILES: gl.constexpr, DEPENDENT: gl.constexpr = False,
+        TILES: gl.constexpr, DEPENDENT: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
     ):  # fmt: skip
         """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
-        the (tile, K step) work). A dependent launch on tiled words first asks L2 for its first steps' words."""
+        the (tile, K step) work). A dependent launch on tiled words first asks L2 for its first PREFETCH steps."""
         DTYPE: gl.constexpr = inter_ptr.dtype.element_ty
-        if DEPENDENT and TILES and _PREFETCH_STEPS > 0:
+        if DEPENDENT and TILES and PREFETCH > 0:
             _prefetch_first_steps(qw_ptr, block_experts_ptr, num_blocks_ptr, N, K, BLOCK_N, GROUP_M, STREAM_K,
-                                  _PREFETCH_STEPS)  # fmt: skip
+                                  PREFETCH)  # fmt: skip
         await_previous_kernel(DEPENDENT)
         w_smem, x_smem, ready, empty = _ring(DTYPE, BLOCK_N, BLOCK_M, STAGES)
         # fmt: off
@@ -474,5 +473,5 @@ def launch(
         words_descriptor(weights.w2_qweight, weights.tiled), weights.w2_qweight, inter, s2, zeros2, topk_weights,
         target, rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0),
         s2.stride(0), s2.stride(1), target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter),
-        ATOMIC=atomic, BLOCK_N=W2_ROWS, STREAM_K=stream_k, **common,
+        ATOMIC=atomic, BLOCK_N=W2_ROWS, STREAM_K=stream_k, PREFETCH=PREFETCH_STEPS, **common,
     )  # fmt: skip

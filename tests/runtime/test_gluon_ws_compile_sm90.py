@@ -56,7 +56,8 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
                   SCALE_AFTER=step_sum, TILES=tiles, DEPENDENT=True)  # dependent launches, as on sm_90
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 as gluon_sm90.heuristic_reduce says
     atomic = gluon_sm90.heuristic_reduce(getattr(torch, act)) != "pairs"
-    consts.update(dict(ZERO_OUT=atomic) if name == "w13" else dict(ATOMIC=atomic, STREAM_K=atomic))
+    consts.update(dict(ZERO_OUT=atomic) if name == "w13" else
+                  dict(ATOMIC=atomic, STREAM_K=atomic, PREFETCH=ws.PREFETCH_STEPS))  # fmt: skip
     sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
