@@ -1,0 +1,52 @@
+"""benchmarks/anchor_report.py: the tables RESULTS.md records, from a same-process run's anchor_results.json (the
+shape the harness writes: rows of cells, each with its variants' times, errors and launches)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import anchor_report
+
+VARIANT = "project:REPACK_DEPENDENT_LAUNCH=1"
+
+
+def _launch(name: str, us: float) -> dict:
+    return {"name": name, "us": us, "launches": 1.0}
+
+
+def _row(model: str, m: int, tag: str, variants: dict) -> dict:
+    return {"model": model, "key": model.lower(), "tag": tag, "M": m, "floor_us": 50.0, "variants": variants}
+
+
+def _results(tmp_path):
+    ours = {"us": 60.0, "rel_err": 5e-4, "launches": [_launch("_w13_ws_kernel", 40.0), _launch("_count_kernel", 5.0)]}
+    faster = {"us": 48.0, "rel_err": 5e-4, "launches": [_launch("_w13_ws_kernel", 38.0)]}
+    marlin = {"us": 80.0, "launches": [_launch("marlin_moe_wna16::Marlin", 70.0)]}
+    rows = [
+        _row("Qwen3-30B-A3B", 16, "main", {"project": ours, "marlin": marlin, VARIANT: faster}),
+        _row("Qwen2-57B-A14B", 16, "bf16", {"project": ours, "marlin": marlin}),  # an extra without the variant
+    ]
+    path = tmp_path / "anchor_results.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    return path
+
+
+def test_ours_is_project_unless_a_variant_is_named(tmp_path, capsys):
+    path = _results(tmp_path)
+    anchor_report.main([str(path)])
+    default = capsys.readouterr().out
+    assert "| Qwen3-30B-A3B | 0.75 |" in default  # 60 / 80
+    anchor_report.main([str(path), "--ours", VARIANT])
+    named = capsys.readouterr().out
+    assert "| Qwen3-30B-A3B | 0.60 |" in named  # 48 / 80
+    assert "| Qwen2-57B-A14B bf16 | 0.75 |" in named  # the cell without the variant keeps project
+
+
+def test_variants_side_by_side_over_project(tmp_path, capsys):
+    anchor_report.main([str(_results(tmp_path)), "--variants", "--launches", "--ours", VARIANT])
+    out = capsys.readouterr().out
+    assert f"| model | M | project | marlin | {VARIANT} |" in out
+    assert "| Qwen3-30B-A3B | 16 | 60.0 | 80.0 | 48.0 (0.800) |" in out
+    assert "| Qwen2-57B-A14B bf16 | 16 | 60.0 | 80.0 | - |" in out
+    # the launch table is the named variant's: its one launch, no glue
+    assert "| Qwen3-30B-A3B | 16 | 48.0 | 0.0 | 0.0 | _w13_ws_kernel 38.0 |" in out
