@@ -29,9 +29,12 @@ def label(row: dict) -> str:
     return row["model"] + ("" if row["tag"] == "main" else f" {row['tag']}")
 
 
-def ours_of(row: dict, ours: str) -> dict:
-    """The cell's record of variant ``ours``, or of "project" where the cell lacks it."""
-    return row["variants"].get(ours) or row["variants"].get("project", {})
+def ours_of(row: dict, name: str) -> dict:
+    """The cell's record of variant ``name``; a project variant the cell lacks (an extra the run did not time
+    with it) falls back to "project"."""
+    variants = row["variants"]
+    fallback = variants.get("project", {}) if name.startswith("project") else {}
+    return variants.get(name) or fallback
 
 
 def ratio_table(rows: list[dict], ours_name: str = "project") -> list[str]:
@@ -69,7 +72,7 @@ def launches_table(rows: list[dict], variant: str = "project") -> list[str]:
     """Per call: the total, the glue (every launch but the GEMMs) and its share, then every launch."""
     lines = [f"| model | M | call | glue | glue % | launches ({variant}, us per call) |", "|---" * 6 + "|"]
     for r in rows:
-        rec = ours_of(r, variant) if variant != "marlin" else r["variants"].get(variant, {})
+        rec = ours_of(r, variant)
         if "launches" not in rec:
             continue
         glue = sum(x["us"] for x in rec["launches"] if not is_gemm(x["name"]))

@@ -301,8 +301,7 @@ if available():
             zero = gl.full(rows.shape, SYM_ZERO, gl.int32, layout=rows.type.layout)
         if IS_FP16:
             bias2 = _pack2((-(zero + 1024)).to(gl.float16).to(gl.int16, bitcast=True))
-            odd2 = _pack2((-(zero + 64)).to(gl.float16).to(gl.int16, bitcast=True))
-            odd2 = gl.expand_dims(odd2, 1)
+            odd2 = gl.expand_dims(_pack2((-(zero + 64)).to(gl.float16).to(gl.int16, bitcast=True)), 1)
         else:
             bias2 = _pack2((-(zero + 128)).to(gl.bfloat16).to(gl.int16, bitcast=True))
             odd2 = gl.expand_dims(bias2, 1) if SCALE_AFTER else low_op
