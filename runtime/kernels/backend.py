@@ -45,7 +45,7 @@ def interpreter_active() -> bool:
     return all(isinstance(kernel, InterpretedFunction) for kernel in kernels)
 
 
-DEPENDENT_LAUNCH_ENV = "REPACK_DEPENDENT_LAUNCH"  # "1": dependent launches (off until measured, KERNEL_NOTES item 33)
+DEPENDENT_LAUNCH_ENV = "REPACK_DEPENDENT_LAUNCH"  # "0": every launch waits for the one before to end
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -53,12 +53,13 @@ def dependent_launch(device: torch.device) -> bool:
     up, CUDA only, never interpreted): a kernel's programs are scheduled while the one before it still runs, do
     what needs nothing it writes (their weights' first loads, their setup), then wait for it to end
     (kernels/common.py ``await_previous_kernel``). Between the few-microsecond kernels of a decode step the launch
-    gaps and each kernel's ramp are a third of the call (benchmarks/KERNEL_NOTES.md item 33).
-    ``$REPACK_DEPENDENT_LAUNCH=1`` turns it on: not yet measured on a GPU, it stays off by default."""
+    gaps and each kernel's ramp are a third of the call: measured 4-16% off the whole call at M = 1-4 and 1-4% at
+    16-256, no change past the noise at M >= 1024 (benchmarks/KERNEL_NOTES.md item 34). On by default;
+    ``$REPACK_DEPENDENT_LAUNCH=0`` turns it off."""
     return (
         device.type == "cuda"
         and torch.version.hip is None
-        and os.environ.get(DEPENDENT_LAUNCH_ENV, "") == "1"
+        and os.environ.get(DEPENDENT_LAUNCH_ENV, "1") != "0"
         and not interpreter_active()
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )

@@ -43,7 +43,7 @@ from repack.runtime.kernels.common import (
     word_rows,
 )
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
-from repack.runtime.kernels.routing import pow2_at_least, route_tokens
+from repack.runtime.kernels.routing import route_tokens
 from repack.runtime.weights import MoeWeights
 
 FP32_TWO_POW_23 = 0x4B000000  # fp32 bits of 2^23: OR-ed with a field below bit 23, the float is 2^23 + field
@@ -140,64 +140,24 @@ def _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0, k_last, k_words, stride_step, g
 
 
 @triton.jit
-def _xp_block(xp_ptr, row_base, k0, offs_w, BITS: tl.constexpr, BLOCK_K: tl.constexpr, FROM_L2: tl.constexpr = False):
+def _xp_block(xp_ptr, row_base, k0, offs_w, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The prepared activations of the K block at ``k0`` (laid out by ``_prepare_kernel``): one [WORDS] fp32 vector
-    per field, each a contiguous run (vector loads, no index math, no mask); fields a word lacks are 0. FROM_L2:
-    read past L1 (``.cg``; rows another program of the same launch wrote, kernels/decode_one_launch.py)."""
+    per field, each a contiguous run (vector loads, no index math, no mask); fields a word lacks are 0."""
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
-    CACHE: tl.constexpr = ".cg" if FROM_L2 else ""
     ptrs = xp_ptr + row_base + k0 + offs_w
-    x0 = tl.load(ptrs, cache_modifier=CACHE)
-    x1 = tl.load(ptrs + WORDS, cache_modifier=CACHE)
-    x2 = tl.load(ptrs + 2 * WORDS, cache_modifier=CACHE)
-    x3 = tl.load(ptrs + 3 * WORDS, cache_modifier=CACHE)
+    x0 = tl.load(ptrs)
+    x1 = tl.load(ptrs + WORDS)
+    x2 = tl.load(ptrs + 2 * WORDS)
+    x3 = tl.load(ptrs + 3 * WORDS)
     if VALS == 8:
-        x4 = tl.load(ptrs + 4 * WORDS, cache_modifier=CACHE)
-        x5 = tl.load(ptrs + 5 * WORDS, cache_modifier=CACHE)
-        x6 = tl.load(ptrs + 6 * WORDS, cache_modifier=CACHE)
-        x7 = tl.load(ptrs + 7 * WORDS, cache_modifier=CACHE)
+        x4 = tl.load(ptrs + 4 * WORDS)
+        x5 = tl.load(ptrs + 5 * WORDS)
+        x6 = tl.load(ptrs + 6 * WORDS)
+        x7 = tl.load(ptrs + 7 * WORDS)
     else:
         x4 = tl.zeros(offs_w.shape, dtype=tl.float32)
         x5, x6, x7 = x4, x4, x4
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _x_field(x_ptr, row_base, k0, offs_w, s: tl.constexpr, BITS: tl.constexpr, MMA_ORDER: tl.constexpr):
-    """Field ``s`` of the K block at ``k0`` read straight from the activations: what ``_prepare_kernel`` stores
-    there (fp32, times 16^-pos), for every word; K a multiple of the block."""
-    pos, _shift = _field_pos(s, BITS)
-    k = _field_input(k0, offs_w, s, BITS, MMA_ORDER)
-    return tl.load(x_ptr + row_base + k).to(tl.float32) * (1.0 / (1 << (BITS * pos)))
-
-
-@triton.jit
-def _x_block(x_ptr, row_base, k0, offs_w, BITS: tl.constexpr, MMA_ORDER: tl.constexpr):
-    """``_xp_block``'s vectors read from the activations themselves (no prepare launch: the one-launch decode)."""
-    x0 = _x_field(x_ptr, row_base, k0, offs_w, 0, BITS, MMA_ORDER)
-    x1 = _x_field(x_ptr, row_base, k0, offs_w, 1, BITS, MMA_ORDER)
-    x2 = _x_field(x_ptr, row_base, k0, offs_w, 2, BITS, MMA_ORDER)
-    x3 = _x_field(x_ptr, row_base, k0, offs_w, 3, BITS, MMA_ORDER)
-    if BITS == 4:
-        x4 = _x_field(x_ptr, row_base, k0, offs_w, 4, BITS, MMA_ORDER)
-        x5 = _x_field(x_ptr, row_base, k0, offs_w, 5, BITS, MMA_ORDER)
-        x6 = _x_field(x_ptr, row_base, k0, offs_w, 6, BITS, MMA_ORDER)
-        x7 = _x_field(x_ptr, row_base, k0, offs_w, 7, BITS, MMA_ORDER)
-    else:
-        x4 = tl.zeros(offs_w.shape, dtype=tl.float32)
-        x5, x6, x7 = x4, x4, x4
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _activations(act_ptr, row_base, k0, offs_w, BITS: tl.constexpr, MMA_ORDER: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FROM_X: tl.constexpr):  # fmt: skip
-    """w13's activations of the K block at ``k0``: prepared rows, or (FROM_X) the activations themselves."""
-    if FROM_X:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_block(act_ptr, row_base, k0, offs_w, BITS, MMA_ORDER)
-    else:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(act_ptr, row_base, k0, offs_w, BITS, BLOCK_K)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -271,10 +231,11 @@ def _prepare_kernel(
 
 
 @triton.jit
-def _k_range(K, split, blocks_per_split, BLOCK_K: tl.constexpr):
-    """(first K, end K, last block's K) of slice ``split`` of K, in ``blocks_per_split``-block slices (one slice,
-    all of K, without split-K). The host sizes the split so none is empty."""
-    k_begin = split * blocks_per_split * BLOCK_K
+def _k_range(K, blocks_per_split, BLOCK_K: tl.constexpr):
+    """(first K, end K, last block's K) of this program's slice of K: split ``program_id(2)`` of the
+    ``blocks_per_split``-block slices (one slice, all of K, without split-K). The host sizes the split so
+    none is empty."""
+    k_begin = tl.program_id(2) * blocks_per_split * BLOCK_K
     k_end = tl.minimum(K, k_begin + blocks_per_split * BLOCK_K)
     return k_begin, k_end, (k_end - 1) // BLOCK_K * BLOCK_K
 
@@ -291,99 +252,9 @@ def _add_and_arrive(row_ptrs, values, mask, counter_ptr, expected):
 
 
 @triton.jit
-def _total(row_ptrs, mask, CLEAR: tl.constexpr = False):
-    """What every program added into ``row_ptrs``, read by an atomic (L2's value, never a stale L1 line). CLEAR:
-    then zero them, for the next call (the one-launch decode's scratch is zero between calls)."""
-    total = tl.atomic_add(row_ptrs, tl.zeros(mask.shape, tl.float32), mask=mask, sem="acquire")
-    if CLEAR:
-        tl.store(row_ptrs, tl.zeros(mask.shape, tl.float32), mask=mask)
-    return total
-
-
-@triton.jit
-def _w13_program(
-    # pointers (act: the prepared rows, or the activations with FROM_X)
-    act_ptr, qw_ptr, scales_ptr, zeros_ptr, inter_ptr, sums_ptr, arrivals_ptr, ready_ptr,
-    # which program: its pair and expert, its first activation, its channel tile and K slice
-    pair, expert, act_row, pid_n, split, num_tiles, num_splits,
-    # sizes (and the field mask and exponent bits, in registers: see _term)
-    N, K, i_pad, group_len, blocks_per_split, field_mask, magic,
-    # strides
-    stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g,
-    # the stack, the activations, the tile
-    BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FROM_X: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-):  # fmt: skip
-    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for BLOCK_N channels of one pair (and one K slice), written
-    as w2's prepared input (field-major, pre-scaled fp32 of the value rounded to the activation dtype).
-
-    Weights, scales and zeros are loaded PREFETCH (1 or 2) K blocks ahead and the activations one block ahead,
-    so the arithmetic of a block never waits on the memory it needs. With SPLIT_K the slices meet in fp32 sums
-    and the last to arrive applies SiLU: more programs, and more bytes in flight, when the pairs alone do not
-    fill the GPU. ONE_LAUNCH (kernels/decode_one_launch.py): the last leaves the sums and its count at zero, and
-    the program that writes a tile counts it in the pair's ``ready`` (w2's programs of the pair wait for all)."""
-    VALS: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // VALS
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, WORDS)
-    expert_words = qw_ptr + expert * stride_qw_e + offs_w[None, :]
-    gate_ptrs = expert_words + word_rows(offs_n, stride_qw_band, stride_qw_row)[:, None]
-    up_ptrs = expert_words + word_rows(offs_n + N, stride_qw_band, stride_qw_row)[:, None]
-    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
-    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
-    k_words = K // VALS
-    k_begin, k_end, k_last = _k_range(K, split, blocks_per_split, BLOCK_K)
-    acc_gate = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    # The first block (and the second when PREFETCH == 2) before the loop; the loop loads k0 + PREFETCH*BLOCK_K.
-    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last,
-                                                      k_words, stride_qw_step, group_len, stride_s_g, N, n_mask,
-                                                      offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
-                                                      BLOCK_K)  # fmt: skip
-    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K,
-                                                      k_last, k_words, stride_qw_step, group_len, stride_s_g, N,
-                                                      n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
-                                                      BLOCK_K)  # fmt: skip
-    x0, x1, x2, x3, x4, x5, x6, x7 = _activations(act_ptr, act_row, k_begin, offs_w, BITS, MMA_ORDER, BLOCK_K, FROM_X)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        ahead = k0 + PREFETCH * BLOCK_K
-        k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, k_last,
-                                                          k_words, stride_qw_step, group_len, stride_s_g, N, n_mask,
-                                                          offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
-                                                          BLOCK_K)  # fmt: skip
-        n0, n1, n2, n3, n4, n5, n6, n7 = _activations(act_ptr, act_row, k_next, offs_w, BITS, MMA_ORDER, BLOCK_K,
-                                                      FROM_X)  # fmt: skip
-        acc_gate = _block_dot(acc_gate, sg_0, gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
-        acc_up = _block_dot(acc_up, su_0, up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
-        if PREFETCH == 2:
-            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_1, up_1, sg_1, zg_1, su_1, zu_1
-            gate_1, up_1, sg_1, zg_1, su_1, zu_1 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
-        else:
-            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
-        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
-    gate = tl.sum(acc_gate, axis=1)
-    up = tl.sum(acc_up, axis=1)
-    done = True
-    if SPLIT_K:
-        row = sums_ptr + pair.to(tl.int64) * 2 * N + offs_n
-        tl.atomic_add(row, gate, mask=n_mask, sem="relaxed")
-        counter = arrivals_ptr + pair * num_tiles + pid_n
-        done = _add_and_arrive(row + N, up, n_mask, counter, num_splits)
-        if done:
-            gate = _total(row, n_mask, ONE_LAUNCH)
-            up = _total(row + N, n_mask, ONE_LAUNCH)
-            if ONE_LAUNCH:
-                tl.store(counter, 0)
-    if done:
-        act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE).to(tl.float32)
-        slot, inverse = _field_major_slot(offs_n, BITS, MMA_ORDER, BLOCK_K)
-        tl.store(inter_ptr + pair.to(tl.int64) * i_pad + slot, act * inverse, mask=n_mask)
-        if ONE_LAUNCH:
-            tl.debug_barrier()  # every thread's stores before the release that publishes them
-            tl.atomic_add(ready_ptr + pair, 1, sem="release")
+def _total(row_ptrs, mask):
+    """What every program added into ``row_ptrs``, read by an atomic (L2's value, never a stale L1 line)."""
+    return tl.atomic_add(row_ptrs, tl.zeros(mask.shape, tl.float32), mask=mask, sem="acquire")
 
 
 @triton.jit
@@ -401,116 +272,76 @@ def _w13_decode_kernel(
     SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):  # fmt: skip
-    """w13 of one (token, expert) pair, BLOCK_N channels and one K slice a program (``_w13_program``), from the
-    rows the prepare launch wrote."""
+    """inter[pair, n] = silu(gate_n . x) * (up_n . x) for one (token, expert) pair and BLOCK_N channels,
+    written as w2's prepared input (field-major, pre-scaled fp32 of the value rounded to the activation dtype).
+
+    Weights, scales and zeros are loaded PREFETCH (1 or 2) K blocks ahead and the activations one block ahead,
+    so the arithmetic of a block never waits on the memory it needs. With SPLIT_K, program_id(2) takes one
+    slice of K; the slices meet in fp32 sums and the last to arrive applies SiLU: more programs, and more bytes
+    in flight, when the pairs alone do not fill the GPU."""
     await_previous_kernel(DEPENDENT)  # the prepare launch routes the pairs: nothing to load before
     pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
     expert = expert_of(topk_ids_ptr, pair, num_experts)
     if HAS_PERM:  # one prepared row per pair (its expert's permutation), else per token
         xp_row = pair.to(tl.int64) * k_pad
     else:
         xp_row = (pair // TOP_K).to(tl.int64) * k_pad
-    _w13_program(xp_ptr, qw_ptr, scales_ptr, zeros_ptr, inter_ptr, sums_ptr, arrivals_ptr, arrivals_ptr,
-                 pair, expert, xp_row, tl.program_id(1), tl.program_id(2), tl.num_programs(1), tl.num_programs(2),
-                 N, K, i_pad, group_len, blocks_per_split, field_mask, magic,
-                 stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g,
-                 BITS, SYM_ZERO, HAS_ZEROS, ACT_DTYPE, EVEN_K, MMA_ORDER, SPLIT_K, PREFETCH, BLOCK_N, BLOCK_K,
-                 False, False)  # fmt: skip
-
-
-@triton.jit
-def _await_ready(ready_ptr, expected):
-    """Spin until ``expected`` programs have counted themselves in at ``ready_ptr`` (plain reads past L1, then one
-    acquire: their writes before the count are visible from here)."""
-    while tl.load(ready_ptr, volatile=True) < expected:
-        pass
-    tl.atomic_add(ready_ptr, 0, sem="acquire")
-
-
-@triton.jit
-def _w2_program(
-    # pointers
-    inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, sums_ptr, arrivals_ptr, ready_ptr,
-    finished_ptr,
-    # which program: its pair, expert and routing weight (ONE_LAUNCH; else read after the wait), its tile and slice
-    pair, expert, pair_weight, pid_n, split, num_tiles, num_splits, inter_tiles,
-    # sizes (and the field mask and exponent bits, in registers: see _term)
-    N, K, i_pad, group_len, blocks_per_split, field_mask, magic,
-    # strides
-    stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_out,
-    # the stack, the activations, the tile
-    TOP_K: tl.constexpr, BITS: tl.constexpr, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr, REDUCE: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr,
-    ONE_LAUNCH: tl.constexpr,
-):  # fmt: skip
-    """out[token, n] = sum over the token's pairs of w[pair] * (W2[e] @ inter[pair])[n], BLOCK_N channels of one
-    pair (and one K slice) a program.
-
-    With REDUCE (top-k > 1 or split-K) every program adds its share into the token's fp32 row and the last of
-    the token's TOP_K * slices programs writes the row out in the activation dtype: no torch sum, no cast.
-
-    The first weight blocks are loaded before the intermediate is there: before the dependent launch's wait
-    (w13 still running), or (ONE_LAUNCH) before the pair's ``ready`` count reaches its ``inter_tiles`` w13 tiles;
-    then the last program of a token's last tile leaves every count of the token at zero for the next call."""
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    w_ptrs = qw_ptr + expert * stride_qw_e + word_rows(offs_n, stride_qw_band, stride_qw_row)[:, None] + offs_w[None, :]
+    expert_words = qw_ptr + expert * stride_qw_e + offs_w[None, :]
+    gate_ptrs = expert_words + word_rows(offs_n, stride_qw_band, stride_qw_row)[:, None]
+    up_ptrs = expert_words + word_rows(offs_n + N, stride_qw_band, stride_qw_row)[:, None]
     scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
-    xp_row = pair.to(tl.int64) * i_pad
     k_words = K // VALS
-    k_begin, k_end, k_last = _k_range(K, split, blocks_per_split, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, stride_qw_step, group_len,
-                              stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
-                              BLOCK_K)  # fmt: skip
-    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, stride_qw_step,
-                              group_len, stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
-                              BLOCK_K)  # fmt: skip
-    if ONE_LAUNCH:
-        _await_ready(ready_ptr + pair, inter_tiles)  # this pair's intermediate from here on
-    else:
-        await_previous_kernel(DEPENDENT)  # w13's intermediate from here on
-    x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(inter_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K, ONE_LAUNCH)
+    k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
+    acc_gate = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    # The first block (and the second when PREFETCH == 2) before the loop; the loop loads k0 + PREFETCH*BLOCK_K.
+    gate_0, up_0, sg_0, zg_0, su_0, zu_0 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last,
+                                                      k_words, stride_qw_step, group_len, stride_s_g, N, n_mask,
+                                                      offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                                      BLOCK_K)  # fmt: skip
+    gate_1, up_1, sg_1, zg_1, su_1, zu_1 = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K,
+                                                      k_last, k_words, stride_qw_step, group_len, stride_s_g, N,
+                                                      n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                                      BLOCK_K)  # fmt: skip
+    x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(xp_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
+        ahead = k0 + PREFETCH * BLOCK_K
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
-        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, k_last, k_words,
-                                  stride_qw_step, group_len, stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO,
-                                  EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
-        n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(inter_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K, ONE_LAUNCH)
-        acc = _block_dot(acc, s_0, w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
+        gate_n, up_n, sg_n, zg_n, su_n, zu_n = _w13_block(gate_ptrs, up_ptrs, scale_ptrs, zero_ptrs, ahead, k_last,
+                                                          k_words, stride_qw_step, group_len, stride_s_g, N, n_mask,
+                                                          offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                                                          BLOCK_K)  # fmt: skip
+        n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(xp_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
+        acc_gate = _block_dot(acc_gate, sg_0, gate_0, zg_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
+        acc_up = _block_dot(acc_up, su_0, up_0, zu_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
         if PREFETCH == 2:
-            w_0, s_0, z_0 = w_1, s_1, z_1
-            w_1, s_1, z_1 = w_n, s_n, z_n
+            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_1, up_1, sg_1, zg_1, su_1, zu_1
+            gate_1, up_1, sg_1, zg_1, su_1, zu_1 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
         else:
-            w_0, s_0, z_0 = w_n, s_n, z_n
+            gate_0, up_0, sg_0, zg_0, su_0, zu_0 = gate_n, up_n, sg_n, zg_n, su_n, zu_n
         x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
-    if not ONE_LAUNCH:
-        pair_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-    result = tl.sum(acc, axis=1) * pair_weight
-    token = (pair // TOP_K).to(tl.int64)
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
     done = True
-    if REDUCE:
-        row = sums_ptr + token * N + offs_n
-        counter = arrivals_ptr + token * num_tiles + pid_n
-        done = _add_and_arrive(row, result, n_mask, counter, TOP_K * num_splits)
+    if SPLIT_K:
+        row = sums_ptr + pair.to(tl.int64) * 2 * N + offs_n
+        tl.atomic_add(row, gate, mask=n_mask, sem="relaxed")
+        counter = arrivals_ptr + pair * tl.num_programs(1) + pid_n
+        done = _add_and_arrive(row + N, up, n_mask, counter, tl.num_programs(2))
         if done:
-            result = _total(row, n_mask, ONE_LAUNCH)
-            if ONE_LAUNCH:
-                tl.store(counter, 0)
+            gate = _total(row, n_mask)
+            up = _total(row + N, n_mask)
     if done:
-        tl.store(out_ptr + token * stride_out + offs_n, result.to(ACT_DTYPE), mask=n_mask)
-        if ONE_LAUNCH:  # noqa: SIM102 (a constexpr)
-            # Every program of this tile has passed its wait; the last tile of the token clears the pairs' counts.
-            if tl.atomic_add(finished_ptr + token, 1, sem="acq_rel") == num_tiles - 1:
-                K_POW: tl.constexpr = pow2_at_least(TOP_K)
-                slots = tl.arange(0, K_POW)
-                tl.store(ready_ptr + token * TOP_K + slots, tl.zeros((K_POW,), tl.int32), mask=slots < TOP_K)
-                tl.store(finished_ptr + token, 0)
+        act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE).to(tl.float32)
+        slot, inverse = _field_major_slot(offs_n, BITS, MMA_ORDER, BLOCK_K)
+        tl.store(inter_ptr + pair.to(tl.int64) * i_pad + slot, act * inverse, mask=n_mask)
 
 
 @triton.jit
@@ -528,18 +359,61 @@ def _w2_decode_kernel(
     REDUCE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):  # fmt: skip
-    """w2 and the top-k sum of one pair, BLOCK_N channels and one K slice a program (``_w2_program``).
+    """out[token, n] = sum over the token's pairs of w[pair] * (W2[e] @ inter[pair])[n], BLOCK_N channels of one
+    pair (and one K slice) per program.
+
+    With REDUCE (top-k > 1 or split-K) every program adds its share into the token's fp32 row and the last of
+    the token's TOP_K * slices programs writes the row out in the activation dtype: no torch sum, no cast.
 
     A dependent launch loads its first weight blocks while w13 still runs (the ids were written two launches
     back, by the prepare launch, and are read from L2) and waits for w13 before its intermediate."""
     pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
     expert = expert_of(topk_ids_ptr, pair, num_experts, DEPENDENT)
-    _w2_program(inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, sums_ptr, arrivals_ptr,
-                arrivals_ptr, arrivals_ptr, pair, expert, 0.0, tl.program_id(1), tl.program_id(2), tl.num_programs(1),
-                tl.num_programs(2), 0, N, K, i_pad, group_len, blocks_per_split, field_mask, magic,
-                stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_out,
-                TOP_K, BITS, SYM_ZERO, HAS_ZEROS, ACT_DTYPE, EVEN_K, MMA_ORDER, REDUCE, PREFETCH, BLOCK_N, BLOCK_K,
-                DEPENDENT, False)  # fmt: skip
+    VALS: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // VALS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    w_ptrs = qw_ptr + expert * stride_qw_e + word_rows(offs_n, stride_qw_band, stride_qw_row)[:, None] + offs_w[None, :]
+    scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
+    zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
+    xp_row = pair.to(tl.int64) * i_pad
+    k_words = K // VALS
+    k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, stride_qw_step, group_len,
+                              stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                              BLOCK_K)  # fmt: skip
+    w_1, s_1, z_1 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin + BLOCK_K, k_last, k_words, stride_qw_step,
+                              group_len, stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
+                              BLOCK_K)  # fmt: skip
+    await_previous_kernel(DEPENDENT)  # w13's intermediate from here on
+    x0, x1, x2, x3, x4, x5, x6, x7 = _xp_block(inter_ptr, xp_row, k_begin, offs_w, BITS, BLOCK_K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_next = tl.minimum(k0 + BLOCK_K, k_last)
+        w_n, s_n, z_n = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k0 + PREFETCH * BLOCK_K, k_last, k_words,
+                                  stride_qw_step, group_len, stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO,
+                                  EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+        n0, n1, n2, n3, n4, n5, n6, n7 = _xp_block(inter_ptr, xp_row, k_next, offs_w, BITS, BLOCK_K)
+        acc = _block_dot(acc, s_0, w_0, z_0, x0, x1, x2, x3, x4, x5, x6, x7, field_mask, magic, BITS)
+        if PREFETCH == 2:
+            w_0, s_0, z_0 = w_1, s_1, z_1
+            w_1, s_1, z_1 = w_n, s_n, z_n
+        else:
+            w_0, s_0, z_0 = w_n, s_n, z_n
+        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
+    result = tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    token = (pair // TOP_K).to(tl.int64)
+    done = True
+    if REDUCE:
+        row = sums_ptr + token * N + offs_n
+        counter = arrivals_ptr + token * tl.num_programs(1) + pid_n
+        done = _add_and_arrive(row, result, n_mask, counter, TOP_K * tl.num_programs(2))
+        if done:
+            result = _total(row, n_mask)
+    if done:
+        tl.store(out_ptr + token * stride_out + offs_n, result.to(ACT_DTYPE), mask=n_mask)
 
 
 def k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -695,14 +569,13 @@ def direct_mode(num_pairs: int, num_experts: int) -> bool:
     return num_pairs <= max(32, num_experts // 2) and num_pairs <= max(8, num_experts)
 
 
-# The heuristic's K slices at up to 8 pairs and its K blocks loaded ahead (KERNEL_NOTES.md items 10-12): at M = 1 a
-# program's time is a chain of dependent loads (its blocks one ahead, then the split-K sums), so both are what the
-# anchor's variants probe (`project:decode.FEW_PAIRS_SPLIT=8`).
+# The heuristic's K slices at up to 8 pairs, K blocks loaded ahead and channel tile, as measured at M = 1 on the
+# H100 (benchmarks/KERNEL_NOTES.md item 34: a program's time is a chain of dependent loads, so two K blocks a slice
+# beat four; 16 slices, two blocks ahead and 16 channels were slower). The anchor's variants patch them
+# (`project:decode.FEW_PAIRS_SPLIT=6`).
 FEW_PAIRS_SPLIT = 8
 PREFETCH = 1
 BLOCK_N = 32
-# The whole call in one launch where kernels/decode_one_launch.py takes it: off until measured on a GPU.
-ONE_LAUNCH = False
 
 GLUON_DECODE_HIDDEN = 6144  # from this hidden size up the Gluon kernels beat these at every M (DeepSeek-V3's 7168)
 GLUON_DECODE_PAIRS = 24  # from this many pairs up the persistent Gluon kernels beat these (M = 4 of top-6 and top-8)
@@ -758,15 +631,6 @@ class Decode(KernelFamily):
         return weights.w13_perm is None
 
     def run(self, work: Work, config: KernelConfig) -> None:
-        """As one launch where ONE_LAUNCH is on and kernels/decode_one_launch.py takes the call, else three."""
-        if ONE_LAUNCH:
-            from repack.runtime.kernels import decode_one_launch  # it builds on this module's kernels
-
-            if decode_one_launch.takes(work.x, work.weights, work.topk_ids.shape[1], config):
-                decode_one_launch.launch(
-                    work.x, work.weights, work.topk_ids, work.topk_weights, work.out, config, work.routing
-                )
-                return
         launch(work.x, work.weights, work.topk_ids, work.topk_weights, work.out, config, work.routing)
 
 
