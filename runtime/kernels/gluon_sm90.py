@@ -162,9 +162,9 @@ def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.
 
 
 # bf16's top-k sum on the Gluon path: "pairs" (one bf16 row per pair, then kernels/topk_sum.py) or "atomic" (fp32
-# atomics into the [M, H] buffer w13 clears, then a cast): at M = 1024-4096 the sum launch is 2-3% of the call
-# (benchmarks/RESULTS.md 2026-12-07); benchmarks/anchor_run.py measures the other with
-# ``project:gluon_sm90.BF16_REDUCE='atomic'``.
+# atomics into the [M, H] buffer w13 clears, then a cast). The sum launch is 2-3% of the call at M = 1024-4096, yet
+# "atomic" measured 5-6% slower at every M = 16-4096 (benchmarks/RESULTS.md 2026-12-07 07:30 UTC; the anchor's
+# variant ``project:gluon_sm90.BF16_REDUCE='atomic'``).
 BF16_REDUCE = "pairs"
 
 
