@@ -43,7 +43,7 @@ from repack.runtime.kernels.common import (
     word_rows,
 )
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
-from repack.runtime.kernels.routing import route_tokens
+from repack.runtime.kernels.routing import pow2_at_least, route_tokens, routed
 from repack.runtime.weights import MoeWeights
 
 FP32_TWO_POW_23 = 0x4B000000  # fp32 bits of 2^23: OR-ed with a field below bit 23, the float is 2^23 + field
@@ -180,6 +180,20 @@ def _field_major_slot(n, BITS: tl.constexpr, MMA_ORDER: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
+def _route_pair(logits_ptr, topk_weights_ptr, topk_ids_ptr, pair, token, num_experts, stride_logits,
+                TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """The expert of ``pair`` (clamped into the stack), routed from its token's logits; the program of the first K
+    block stores the pair's id and weight."""
+    ids, weights = routed(logits_ptr, token, token + 1, num_experts, stride_logits, TOP_K, RENORMALIZE, 1, BLOCK_E)
+    chosen = tl.arange(0, pow2_at_least(TOP_K))[None, :] == pair % TOP_K
+    expert = tl.sum(tl.where(chosen, ids, 0))
+    if tl.program_id(1) == 0:
+        tl.store(topk_ids_ptr + pair, expert)
+        tl.store(topk_weights_ptr + pair, tl.sum(tl.where(chosen, weights, 0.0)))
+    return tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)
+
+
+@triton.jit
 def _prepare_kernel(
     # pointers
     x_ptr, perm_ptr, topk_ids_ptr, xp_ptr, scratch_ptr, logits_ptr, topk_weights_ptr,
@@ -188,18 +202,20 @@ def _prepare_kernel(
     # the stack and the tile
     TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-    # routing in this launch (ROUTE, never with HAS_PERM: act-order rows need their ids first)
+    # routing in this launch
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """One K block of one prepared row (a token, or a pair under act-order, whose expert's permutation gathers
     it), then this program's share of the zeroed scratch: both jobs of the decode's first launch. With ROUTE the
     first K block's program of each token also routes it (kernels/routing.py), so w13 finds its ids: routing
-    costs decode no launch of its own."""
+    costs decode no launch of its own. An act-order row needs its pair's expert before its first load, so there
+    every program routes its token (a few hundred instructions on one row of logits, where a routing launch of
+    its own measured 4.5 us: benchmarks/RESULTS.md 2026-12-07 07:30 UTC) and the first K block's stores it."""
     await_previous_kernel(DEPENDENT)
     row = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
-    if ROUTE:  # noqa: SIM102 (a constexpr: without it the routing is not compiled at all)
+    if ROUTE and not HAS_PERM:  # noqa: SIM102 (a constexpr: without it the routing is not compiled at all)
         if tl.program_id(1) == 0:
             route_tokens(logits_ptr, topk_weights_ptr, topk_ids_ptr, row, row + 1, num_experts, stride_logits,
                          TOP_K, RENORMALIZE, 1, BLOCK_E)  # fmt: skip
@@ -207,8 +223,13 @@ def _prepare_kernel(
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_w = tl.arange(0, WORDS)
     if HAS_PERM:
-        perm_base = expert_of(topk_ids_ptr, row, num_experts) * K
         token = (row // TOP_K).to(tl.int64)
+        if ROUTE:
+            expert = _route_pair(logits_ptr, topk_weights_ptr, topk_ids_ptr, row, token, num_experts, stride_logits,
+                                 TOP_K, RENORMALIZE, BLOCK_E)  # fmt: skip
+        else:
+            expert = expert_of(topk_ids_ptr, row, num_experts)
+        perm_base = expert * K
     else:
         perm_base = 0
         token = row.to(tl.int64)
@@ -474,8 +495,7 @@ def launch(
     routing: tuple[torch.Tensor, bool] | None = None,  # (router logits [M, E] unit stride along E, renormalize)
 ) -> None:
     """The decode path: prepare (activations + zeroed scratch) -> w13 -> w2 straight into ``out``: three launches.
-    With ``routing`` the prepare launch also routes every token into ``topk_ids`` and ``topk_weights`` (not with
-    an act-order stack, whose prepared rows need the ids first).
+    With ``routing`` the prepare launch also routes every token into ``topk_ids`` and ``topk_weights``.
 
     From ``config``: block_n, block_k (128 on mma128 stacks: one word-order block per step), num_warps,
     num_stages, prefetch (K blocks loaded ahead, 1 or 2) and split_k (slices of K per (pair, tile): more
@@ -497,8 +517,6 @@ def launch(
     zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
     order = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
     launched = dependent_launches(x.device)
-    if routing is not None and has_perm:
-        raise ValueError("decode.launch: routing inside the prepare launch needs a stack without act-order")
     logits, renormalize = routing if routing is not None else (x, False)  # logits unread without ROUTE
     _prepare_kernel[(rows, blocks)](
         x_ptr=x,
@@ -627,8 +645,8 @@ class Decode(KernelFamily):
         return None
 
     def routes_in_first_launch(self, weights: MoeWeights) -> bool:
-        """The prepare launch routes each token (not for act-order stacks: their prepared rows need the ids)."""
-        return weights.w13_perm is None
+        """The prepare launch routes each token (under act-order each of its programs routes its pair's token)."""
+        return True
 
     def run(self, work: Work, config: KernelConfig) -> None:
         launch(work.x, work.weights, work.topk_ids, work.topk_weights, work.out, config, work.routing)

@@ -26,7 +26,7 @@ UNALIGNED_LOGITS_PER_WARP = 128
 
 
 @constexpr_function
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
@@ -51,7 +51,26 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     stored at pair ``token * TOP_K + k``; returns the [BLOCK_T, TOP_K rounded up to a power of two] pair indices,
     ids (-1 where nothing was stored) and the stored mask, for a caller that aligns them. The routing kernel's
     body, and the first step of the alignment (kernels/align.py) and of the decode's preparation
-    (kernels/decode.py).
+    (kernels/decode.py)."""
+    K_POW: tl.constexpr = pow2_at_least(TOP_K)
+    tokens = first_token + tl.arange(0, BLOCK_T)
+    ids, weights = routed(logits_ptr, first_token, num_tokens, num_experts, stride_logits, TOP_K, RENORMALIZE,
+                          BLOCK_T, BLOCK_E)  # fmt: skip
+    columns = tl.arange(0, K_POW)[None, :]
+    pairs = tokens[:, None] * TOP_K + columns
+    stored = (tokens[:, None] < num_tokens) & (columns < TOP_K)
+    tl.store(weights_ptr + pairs, weights, mask=stored)
+    tl.store(ids_ptr + pairs, ids, mask=stored)
+    return pairs, tl.where(stored, ids, -1), stored
+
+
+@triton.jit
+def routed(logits_ptr, first_token, num_tokens, num_experts, stride_logits, TOP_K: tl.constexpr,
+           RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """The ids and weights of tokens ``first_token .. first_token + BLOCK_T``, each [BLOCK_T, TOP_K rounded up to a
+    power of two], descending by weight (columns past TOP_K and rows past ``num_tokens`` are not routings):
+    :func:`route_tokens` stores them; the decode's preparation of an act-order stack (kernels/decode.py) picks its
+    pair's expert from them in every program.
 
     The top-k runs over packed int64 keys, the probability's bits above the complement of the expert id: a
     non-negative fp32 orders as its bits, so the largest key is the largest probability and, among equal ones, the
@@ -59,7 +78,7 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     first version took two reductions per choice (value, then index), whose latency made the routing of 16 tokens
     over 128 experts most of a 7 us launch (benchmarks/KERNEL_NOTES.md item 19); ``tl.topk``'s bitonic sort of the
     same keys compiled to a quarter more instructions than the rounds (item 22)."""
-    K_POW: tl.constexpr = _pow2_at_least(TOP_K)  # a power-of-two result tile; the columns past TOP_K are unused
+    K_POW: tl.constexpr = pow2_at_least(TOP_K)  # a power-of-two result tile; the columns past TOP_K are unused
     tokens = first_token + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     valid = (tokens[:, None] < num_tokens) & (experts[None, :] < num_experts)
@@ -77,15 +96,11 @@ def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_
     chosen = best >= 0
     ids = tl.where(chosen, BLOCK_E - 1 - (best & 0xFFFF).to(tl.int32), 0)
     weights = tl.where(chosen, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    columns = tl.arange(0, K_POW)[None, :]
     if RENORMALIZE:
+        columns = tl.arange(0, K_POW)[None, :]
         total = tl.sum(tl.where(columns < TOP_K, weights, 0.0), axis=1)
         weights = weights / tl.where(total > 0.0, total, 1.0)[:, None]  # a padding row's total is 0
-    pairs = tokens[:, None] * TOP_K + columns
-    stored = (tokens[:, None] < num_tokens) & (columns < TOP_K)
-    tl.store(weights_ptr + pairs, weights, mask=stored)
-    tl.store(ids_ptr + pairs, ids, mask=stored)
-    return pairs, tl.where(stored, ids, -1), stored
+    return ids, weights
 
 
 @triton.jit

@@ -413,7 +413,7 @@ DECODE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_s
         (40, 2, WEIGHT_MAJOR, False),  # aligned, one launch routes and aligns
         (700, 2, BIG, False),  # aligned over many chunks: routing inside the count step
         (3, 3, DECODE, False),  # decode: routing inside the preparation launch
-        (3, 3, DECODE, True),  # decode of an act-order stack: its rows need the ids first, so routing first
+        (3, 3, DECODE, True),  # decode of an act-order stack: every preparation program routes its pair's token
         (2, 2, None, False),  # the heuristic's pick
     ],
     ids=["direct", "aligned-one-program", "aligned-chunks", "decode", "decode-actorder", "heuristic"],

@@ -116,7 +116,7 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
         w2 = _compile(_w2_decode_kernel, prepared, {**decode, "REDUCE": True}, *launch)
         prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg.block_k, ZERO_BLOCK=256,
                        DEPENDENT=True)  # fmt: skip
-        routing = dict(ROUTE=not asym, RENORMALIZE=True, BLOCK_E=128)  # routes where it can
+        routing = dict(ROUTE=True, RENORMALIZE=True, BLOCK_E=128)  # routes in it, act-order stacks too
         first = _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr), dict(prepare, **routing), 1, 1)
         check_dependent_launches(first.asm["ptx"], w13.asm["ptx"], w2.asm["ptx"])
     else:
