@@ -10,6 +10,7 @@ This module is the one place the runtime switches the interpreter on (``load``, 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -56,10 +57,16 @@ def dependent_launch(device: torch.device) -> bool:
     gaps and each kernel's ramp are a third of the call: measured 4-16% off the whole call at M = 1-4 and 1-4% at
     16-256, no change past the noise at M >= 1024 (benchmarks/KERNEL_NOTES.md item 34). On by default;
     ``$REPACK_DEPENDENT_LAUNCH=0`` turns it off."""
+    return os.environ.get(DEPENDENT_LAUNCH_ENV, "1") != "0" and _launches_dependents(device)
+
+
+@functools.cache
+def _launches_dependents(device: torch.device) -> bool:
+    """Whether ``device`` can (CUDA, Hopper and up, kernels not interpreted): asked once per device, not per launch
+    (the environment switch stays live: the anchor's variants flip it between calls)."""
     return (
         device.type == "cuda"
         and torch.version.hip is None
-        and os.environ.get(DEPENDENT_LAUNCH_ENV, "1") != "0"
         and not interpreter_active()
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )
