@@ -54,8 +54,8 @@ def dependent_launch(device: torch.device) -> bool:
     up, CUDA only, never interpreted): a kernel's programs are scheduled while the one before it still runs, do
     what needs nothing it writes (their weights' first loads, their setup), then wait for it to end
     (kernels/common.py ``await_previous_kernel``). Between the few-microsecond kernels of a decode step the launch
-    gaps and each kernel's ramp are a third of the call: measured 4-16% off the whole call at M = 1-4 and 1-4% at
-    16-256, no change past the noise at M >= 1024 (benchmarks/KERNEL_NOTES.md item 34). On by default;
+    gaps and each kernel's ramp are a third of the call: measured 2-3 us (up to 10%) off the whole call at M = 1-4,
+    0.5-5% at 16-256, no change past the noise at M >= 1024 (benchmarks/KERNEL_NOTES.md item 34). On by default;
     ``$REPACK_DEPENDENT_LAUNCH=0`` turns it off."""
     return os.environ.get(DEPENDENT_LAUNCH_ENV, "1") != "0" and _launches_dependents(device)
 
