@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernels.common import await_previous_kernel, dependent_launches
+from repack.runtime.kernels.common import await_previous_kernel, dependent_launches, expert_of
 
 BLOCK_H = 1024  # columns per program: 16-byte stores of eight fp16/bf16 per thread at 4 warps
 
@@ -27,7 +27,7 @@ def _gather_kernel(x_ptr, ids_ptr, perm_ptr, out_ptr, H, num_experts, stride_x, 
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
-    expert = tl.minimum(tl.maximum(tl.load(ids_ptr + pair), 0), num_experts - 1).to(tl.int64)
+    expert = expert_of(ids_ptr, pair, num_experts)
     src = tl.load(perm_ptr + expert * H + cols, mask=ok, other=0)
     row = tl.load(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x + src, mask=ok, other=0.0)
     tl.store(out_ptr + pair.to(tl.int64) * H + cols, row, mask=ok)

@@ -41,6 +41,12 @@ def expert_of(topk_ids_ptr, pair, num_experts, FROM_L2: tl.constexpr = False):
         expert = tl.load(topk_ids_ptr + pair, cache_modifier=".cg")
     else:
         expert = tl.load(topk_ids_ptr + pair)
+    return clamp_expert(expert, num_experts)
+
+
+@triton.jit
+def clamp_expert(expert, num_experts):
+    """An expert id clamped into [0, E), as int64 (an offset into the stack)."""
     return tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)
 
 

@@ -35,6 +35,7 @@ from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.common import (
     TL_DTYPES,
     await_previous_kernel,
+    clamp_expert,
     dependent_launches,
     expert_of,
     projection_args,
@@ -190,7 +191,7 @@ def _route_pair(logits_ptr, topk_weights_ptr, topk_ids_ptr, pair, token, num_exp
     if tl.program_id(1) == 0:
         tl.store(topk_ids_ptr + pair, expert)
         tl.store(topk_weights_ptr + pair, tl.sum(tl.where(chosen, weights, 0.0)))
-    return tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)
+    return clamp_expert(expert, num_experts)
 
 
 @triton.jit

@@ -89,9 +89,8 @@ def before_dependency_wait(ptx: str) -> dict[str, int]:
     """What ``ptx`` does to global memory before its first ``griddepcontrol.wait`` (a dependent launch's wait for the
     kernel before it, runtime/kernels/common.py ``await_previous_kernel``), in the PTX's own order: what comes before
     the wait is the kernels' straight prologue (at most a forward branch around the w2 prefetch), so that order is
-    the order they run in. ``{"waits": 0/1, "loads": global
-    loads and copies from global, "l2_loads": those of them past L1 (.cg), "writes": stores and atomics}``; no wait
-    at all counts the whole kernel."""
+    the order they run in. ``{"waits": 0/1, "loads": global loads and copies from global, "l2_loads": those of them
+    past L1 (.cg), "writes": stores and atomics}``; no wait at all counts the whole kernel."""
     import re
 
     found = {"waits": 0, "loads": 0, "l2_loads": 0, "writes": 0}
