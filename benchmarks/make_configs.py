@@ -32,15 +32,17 @@ def recorded_sweeps() -> tuple[str, list[Path]]:
 
 
 def code_path(config: dict) -> str:
-    """Which kernels a sweep row timed: the CUDA-core decode kernels, the weight-major ones (one block per pair, or
-    aligned), the gptq-order tensor-core ones, or, with a tile of theirs, the Gluon sm_90 ones. A ``gluon_sm90``
-    entry without a tile is what the recorded sweeps' weight-major rows read as: timed on the weight-major kernels,
-    before the Gluon ones existed."""
+    """Which kernels a sweep row timed: the decode kernels (CUDA-core or tensor-core), the weight-major ones (one block
+    per pair, or aligned), the gptq-order tensor-core ones, or, with a tile of theirs, the Gluon sm_90 ones. A
+    ``gluon_sm90`` entry without a tile is what the recorded sweeps' weight-major rows read as: timed on the
+    weight-major kernels, before the Gluon ones existed."""
     parsed = KernelConfig.from_dict(config)
     if parsed.gluon is not None:
         return "gluon"
     if parsed.family in (Family.WEIGHT_MAJOR, Family.GLUON_SM90):
         return "weight-major direct" if parsed.direct else "weight-major"
+    if parsed.family is Family.DECODE_MMA:
+        return "decode-mma"
     return "decode" if parsed.family is Family.DECODE else "tensor-core"
 
 

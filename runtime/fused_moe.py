@@ -5,6 +5,8 @@ the repack-moe layout as stored (formats/SPEC.md). The kernel families live in r
 and each describes itself (runtime/kernels/family.py: what it supports, the config it takes a call with, its
 heuristic, its launches, which top-k sum it does). :data:`FAMILIES` is the ordered list this module walks:
 
+- ``decode_mma`` (kernels/decode_mma.py): the decode's launches with each K step on Hopper's tensor cores (Gluon),
+  mma128 stacks; off the heuristic's path until measured (``decode_mma.PREFERRED``);
 - ``decode`` (kernels/decode.py): CUDA cores, one program per (token, expert) pair, any stack; sums the top-k in w2;
 - ``gluon_sm90`` (kernels/gluon_sm90.py): the weight-major GEMMs in Gluon for Hopper, a wgmma kept in flight while
   the next chunk dequantizes; mma128 stacks on a compute capability 9.0 GPU;
@@ -40,7 +42,7 @@ from repack.runtime.kernel_config import (
     device_name,
     load_configs,
 )
-from repack.runtime.kernels import decode, gluon_sm90, gptq_order, weight_major
+from repack.runtime.kernels import decode, decode_mma, gluon_sm90, gptq_order, weight_major
 from repack.runtime.kernels.align import align_pairs, route_and_align
 from repack.runtime.kernels.common import TL_DTYPES
 from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
@@ -48,9 +50,16 @@ from repack.runtime.kernels.routing import route, route_outputs
 from repack.runtime.kernels.topk_sum import topk_sum
 from repack.runtime.weights import MoeWeights
 
-# The families, in the order a call asks them (its config's family first: choose_family): the CUDA-core decode
-# kernels, the Gluon sm_90 ones, then the tl tensor-core ones that run any config's tile where its own family cannot.
-FAMILIES: tuple[KernelFamily, ...] = (decode.FAMILY, gluon_sm90.FAMILY, weight_major.FAMILY, gptq_order.FAMILY)
+# The families, in the order a call asks them (its config's family first: choose_family): the decode kernels (on
+# tensor cores where they run, else on CUDA cores), the Gluon sm_90 ones, then the tl tensor-core ones that run any
+# config's tile where its own family cannot.
+FAMILIES: tuple[KernelFamily, ...] = (
+    decode_mma.FAMILY,
+    decode.FAMILY,
+    gluon_sm90.FAMILY,
+    weight_major.FAMILY,
+    gptq_order.FAMILY,
+)
 
 
 def choose_family(

@@ -39,10 +39,14 @@ class Family(str, Enum):
     """The kernel families, one module each in runtime/kernels/ (a config's ``FAMILY``)."""
 
     DECODE = "decode"  # CUDA cores, one program per (token, expert) pair: kernels/decode.py
+    DECODE_MMA = "decode_mma"  # the decode's launches on Hopper tensor cores (Gluon, mma.sync): kernels/decode_mma.py
     GLUON_SM90 = "gluon_sm90"  # Hopper tensor cores, a wgmma in flight while dequantizing: kernels/gluon_sm90.py
     WEIGHT_MAJOR = "weight_major"  # tensor cores, weights as the MMA's register operand: kernels/weight_major.py
     GPTQ_ORDER = "gptq_order"  # tensor cores, tokens as the A operand, gptq-order words only: kernels/gptq_order.py
 
+
+# The families that always run one program per pair (DIRECT implied) and sum the top-k in their w2.
+DECODE_FAMILIES = (Family.DECODE, Family.DECODE_MMA)
 
 # Register cap per thread of the warp-specialized kernels, by persistent programs per SM: P programs of two
 # warpgroups' allocation (the producer warp's group and the consumer's) share the SM's 65536 registers.
@@ -131,7 +135,8 @@ class KernelConfig:
     :data:`JSON_KEYS`; :meth:`from_dict` and :meth:`to_dict` translate.
 
     What each family reads: decode ``block_n``, ``block_k`` (128 on mma128 stacks), warps, stages, ``split_k``,
-    ``prefetch``; weight_major ``block_m``, ``block_n``, ``group_m`` (``block_k`` is 128), warps, stages, ``direct``,
+    ``prefetch``; decode_mma ``block_n``, warps, ``split_k`` (the CUDA-core decode runs its configs where it
+    cannot); weight_major ``block_m``, ``block_n``, ``group_m`` (``block_k`` is 128), warps, stages, ``direct``,
     ``scale_acc``, ``quant_ahead``, ``reduce``; gptq_order the whole tile and ``reduce``; gluon_sm90 ``gluon`` and
     ``reduce``, and runs its tl tile and switches on the weight-major kernels where it cannot run."""
 
@@ -158,9 +163,9 @@ class KernelConfig:
     gluon: GluonTile | None = None
 
     def __post_init__(self) -> None:
-        if self.family is Family.DECODE and not self.direct:
+        if self.family in DECODE_FAMILIES and not self.direct:
             raise RepackError("kernel config: the decode kernels run one program per pair; set DIRECT")
-        if self.direct and self.family not in (Family.DECODE, Family.WEIGHT_MAJOR):
+        if self.direct and self.family not in (*DECODE_FAMILIES, Family.WEIGHT_MAJOR):
             raise RepackError(
                 f"kernel config: DIRECT (one block per pair) is a decode or weight_major mode, not "
                 f"{self.family.value}'s"
@@ -202,7 +207,7 @@ class KernelConfig:
                 ) from None
         else:
             family = legacy_family(entry, gluon)
-        direct = bool(entry.get("DIRECT", family is Family.DECODE))
+        direct = bool(entry.get("DIRECT", family in DECODE_FAMILIES))
         types = {f.name: f.type for f in fields(cls)}
         values = {
             JSON_KEYS[k]: v for k, v in entry.items() if k in JSON_KEYS and k not in ("FAMILY", "DIRECT", "GLUON")
@@ -217,7 +222,7 @@ class KernelConfig:
         """The JSON entry: ``FAMILY``, the tile, and the switches that are not at their defaults."""
         entry = {"FAMILY": self.family.value}
         entry.update({key: getattr(self, name) for key, name in JSON_KEYS.items() if name in _SIZES})
-        if self.direct and self.family is not Family.DECODE:
+        if self.direct and self.family not in DECODE_FAMILIES:
             entry["DIRECT"] = True
         for key, name in JSON_KEYS.items():
             if name in _SWITCHES and getattr(self, name) != _DEFAULTS[name]:

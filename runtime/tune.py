@@ -25,8 +25,15 @@ import torch
 from repack.formats.errors import RepackError
 from repack.formats.stacks import choose_word_order, words_shape
 from repack.runtime.fused_moe import FAMILIES, fused_moe
-from repack.runtime.kernel_config import Family, GluonTile, KernelConfig, config_file_name, device_name
-from repack.runtime.kernels import gluon_sm90
+from repack.runtime.kernel_config import (
+    DECODE_FAMILIES,
+    Family,
+    GluonTile,
+    KernelConfig,
+    config_file_name,
+    device_name,
+)
+from repack.runtime.kernels import decode_mma, gluon_sm90
 from repack.runtime.kernels.family import Call
 from repack.runtime.weights import MoeWeights
 
@@ -37,6 +44,11 @@ DECODE_CONFIGS = [  # CUDA-core decode kernels (runtime/kernels/decode.py): tile
     KernelConfig(Family.DECODE, 16, bn, 128, 1, warps, 1, direct=True, prefetch=depth, split_k=split)
     for bn, warps in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
     for depth in (1, 2)
+    for split in (1, 2, 4, 8)
+]
+DECODE_MMA_CONFIGS = [  # the decode on Hopper tensor cores (runtime/kernels/decode_mma.py): channels, warps, K slices
+    KernelConfig(Family.DECODE_MMA, 8, bn, 128, 1, warps, 1, direct=True, split_k=split)
+    for bn, warps in ((16, 1), (32, 1), (64, 2))
     for split in (1, 2, 4, 8)
 ]
 _TILES = (  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
@@ -117,21 +129,23 @@ def candidate_configs(
     pairs = num_tokens * top_k
     rows_per_expert = pairs / max(1, weights.num_experts)
     configs = DECODE_CONFIGS + WEIGHT_MAJOR_DIRECT_CONFIGS if pairs <= 128 else []
+    if pairs <= 128 and decode_mma.FAMILY.supports(Call(weights, torch.device(device), torch.float16, pairs)):
+        configs = DECODE_MMA_CONFIGS + configs
     tiles = WEIGHT_MAJOR_CONFIGS if weights.mma_order else TENSOR_CORE_CONFIGS + WEIGHT_MAJOR_CONFIGS
     if searches_gluon(weights, device):
         tiles = tiles + GLUON_CONFIGS
     configs += [c for c in tiles if c.block_m <= max(16, 4 * rows_per_expert)]
     reduces = ("pairs", "atomic") if num_tokens <= 4 else ("pairs",)
-    # The CUDA-core decode kernels always sum the top-k in w2: REDUCE does not apply to them.
-    decode = [c for c in configs if c.family is Family.DECODE]
-    return decode + [replace(c, reduce=r) for c in configs if c.family is not Family.DECODE for r in reduces]
+    # The decode kernels always sum the top-k in w2: REDUCE does not apply to them.
+    decode = [c for c in configs if c.family in DECODE_FAMILIES]
+    return decode + [replace(c, reduce=r) for c in configs if c.family not in DECODE_FAMILIES for r in reduces]
 
 
 def tl_reference(weights: MoeWeights, num_pairs: int, dtype: torch.dtype) -> KernelConfig:
     """The config every candidate's output is checked against: the first tl family's heuristic (fused_moe.FAMILIES
     without the Gluon kernels), the CPU-tested reference."""
     call = Call(weights, weights.w13_qweight.device, dtype, num_pairs)
-    return next(c for f in FAMILIES if f is not gluon_sm90.FAMILY and (c := f.heuristic(call)) is not None)
+    return next(c for f in FAMILIES if f.interpreted and (c := f.heuristic(call)) is not None)
 
 
 def random_stack(

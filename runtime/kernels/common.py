@@ -33,6 +33,21 @@ def await_previous_kernel(DEPENDENT: tl.constexpr):
 
 
 @triton.jit
+def release_dependents(DEPENDENT: tl.constexpr):
+    """A dependent launch lets the kernel after it be scheduled now, before it waits for the one before it (a
+    kernel that reads nothing the one before wrote until late: kernels/decode_mma.py's routed w13)."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous_kernel(DEPENDENT: tl.constexpr):
+    """The wait half of :func:`await_previous_kernel`, for a kernel that released its dependents earlier."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def expert_of(topk_ids_ptr, pair, num_experts, FROM_L2: tl.constexpr = False):
     """The pair's expert, clamped into the stack: a bad id (NaN router logits) must not read past the weights.
     FROM_L2: read past the SM's L1 (``.cg``), for a dependent launch reading ids a kernel two launches back wrote

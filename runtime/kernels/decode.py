@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from repack.runtime.kernel_config import Family, KernelConfig
-from repack.runtime.kernels import gluon_sm90
+from repack.runtime.kernel_config import DECODE_FAMILIES, Family, KernelConfig
+from repack.runtime.kernels import gluon_sm90, split_k
 from repack.runtime.kernels.common import (
     TL_DTYPES,
     await_previous_kernel,
@@ -203,12 +203,17 @@ def _prepare_kernel(
     # the stack and the tile
     TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    # what the prepared rows hold (:data:`PREPARED`)
+    PREPARED: tl.constexpr,
     # routing in this launch
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """One K block of one prepared row (a token, or a pair under act-order, whose expert's permutation gathers
-    it), then this program's share of the zeroed scratch: both jobs of the decode's first launch. With ROUTE the
+    it), then this program's share of the zeroed scratch: both jobs of the decode's first launch. The row is the
+    CUDA-core kernels' pre-scaled fp32 in field-major order (PREPARED "field_major"), the tensor-core decode's
+    gathered act-order row in the activation dtype ("rows"), or nothing ("none": those kernels read x itself,
+    and this launch only routes and zeroes). With ROUTE the
     first K block's program of each token also routes it (kernels/routing.py), so w13 finds its ids: routing
     costs decode no launch of its own. An act-order row needs its pair's expert before its first load, so there
     every program routes its token (a few hundred instructions on one row of logits, where a routing launch of
@@ -234,49 +239,29 @@ def _prepare_kernel(
     else:
         perm_base = 0
         token = row.to(tl.int64)
-    out = xp_ptr + row.to(tl.int64) * k_pad + k0 + offs_w
-    for s in tl.static_range(VALS):
-        pos, _shift = _field_pos(s, BITS)
-        k = _field_input(k0, offs_w, s, BITS, MMA_ORDER)
+    if PREPARED == "field_major":
+        out = xp_ptr + row.to(tl.int64) * k_pad + k0 + offs_w
+        for s in tl.static_range(VALS):
+            pos, _shift = _field_pos(s, BITS)
+            k = _field_input(k0, offs_w, s, BITS, MMA_ORDER)
+            k_ok = k < K
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0)
+            else:
+                cols = k
+            x = tl.load(x_ptr + token * stride_x + cols, mask=k_ok, other=0.0).to(tl.float32)
+            tl.store(out + s * WORDS, x * (1.0 / (1 << (BITS * pos))))
+    elif PREPARED == "rows":
+        k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0)
-        else:
-            cols = k
-        x = tl.load(x_ptr + token * stride_x + cols, mask=k_ok, other=0.0).to(tl.float32)
-        tl.store(out + s * WORDS, x * (1.0 / (1 << (BITS * pos))))
+        cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0) if HAS_PERM else k
+        x = tl.load(x_ptr + token * stride_x + cols, mask=k_ok, other=0.0)
+        tl.store(xp_ptr + row.to(tl.int64) * k_pad + k, x, mask=k_ok)
     program = row * tl.num_programs(1) + tl.program_id(1)
     offs = tl.arange(0, ZERO_BLOCK)
     end = tl.minimum(scratch_len, (program + 1) * zero_span)
     for start in range(program * zero_span, end, ZERO_BLOCK):
         tl.store(scratch_ptr + start + offs, tl.zeros((ZERO_BLOCK,), tl.int32), mask=start + offs < end)
-
-
-@triton.jit
-def _k_range(K, blocks_per_split, BLOCK_K: tl.constexpr):
-    """(first K, end K, last block's K) of this program's slice of K: split ``program_id(2)`` of the
-    ``blocks_per_split``-block slices (one slice, all of K, without split-K). The host sizes the split so
-    none is empty."""
-    k_begin = tl.program_id(2) * blocks_per_split * BLOCK_K
-    k_end = tl.minimum(K, k_begin + blocks_per_split * BLOCK_K)
-    return k_begin, k_end, (k_end - 1) // BLOCK_K * BLOCK_K
-
-
-@triton.jit
-def _add_and_arrive(row_ptrs, values, mask, counter_ptr, expected):
-    """Add ``values`` into fp32 ``row_ptrs`` and count this program in; True for the last of ``expected``.
-
-    The barrier orders every thread's adds before the count, whose acq_rel atomic publishes them (and, in the
-    last program, makes every other program's adds visible to the reads that follow)."""
-    tl.atomic_add(row_ptrs, values, mask=mask, sem="relaxed")
-    tl.debug_barrier()
-    return tl.atomic_add(counter_ptr, 1, sem="acq_rel") == expected - 1
-
-
-@triton.jit
-def _total(row_ptrs, mask):
-    """What every program added into ``row_ptrs``, read by an atomic (L2's value, never a stale L1 line)."""
-    return tl.atomic_add(row_ptrs, tl.zeros(mask.shape, tl.float32), mask=mask, sem="acquire")
 
 
 @triton.jit
@@ -320,7 +305,7 @@ def _w13_decode_kernel(
     scale_ptrs = scales_ptr + expert * stride_s_e + offs_n
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
     k_words = K // VALS
-    k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
+    k_begin, k_end, k_last = split_k.k_range(K, blocks_per_split, BLOCK_K)
     acc_gate = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     # The first block (and the second when PREFETCH == 2) before the loop; the loop loads k0 + PREFETCH*BLOCK_K.
@@ -356,10 +341,10 @@ def _w13_decode_kernel(
         row = sums_ptr + pair.to(tl.int64) * 2 * N + offs_n
         tl.atomic_add(row, gate, mask=n_mask, sem="relaxed")
         counter = arrivals_ptr + pair * tl.num_programs(1) + pid_n
-        done = _add_and_arrive(row + N, up, n_mask, counter, tl.num_programs(2))
+        done = split_k.add_and_arrive(row + N, up, n_mask, counter, tl.num_programs(2))
         if done:
-            gate = _total(row, n_mask)
-            up = _total(row + N, n_mask)
+            gate = split_k.total(row, n_mask)
+            up = split_k.total(row + N, n_mask)
     if done:
         act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE).to(tl.float32)
         slot, inverse = _field_major_slot(offs_n, BITS, MMA_ORDER, BLOCK_K)
@@ -402,7 +387,7 @@ def _w2_decode_kernel(
     zero_ptrs = zeros_ptr + expert * stride_s_e + offs_n
     xp_row = pair.to(tl.int64) * i_pad
     k_words = K // VALS
-    k_begin, k_end, k_last = _k_range(K, blocks_per_split, BLOCK_K)
+    k_begin, k_end, k_last = split_k.k_range(K, blocks_per_split, BLOCK_K)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     w_0, s_0, z_0 = _w2_block(w_ptrs, scale_ptrs, zero_ptrs, k_begin, k_last, k_words, stride_qw_step, group_len,
                               stride_s_g, n_mask, offs_w, BITS, HAS_ZEROS, SYM_ZERO, EVEN_K, BLOCK_N,
@@ -431,59 +416,70 @@ def _w2_decode_kernel(
     if REDUCE:
         row = sums_ptr + token * N + offs_n
         counter = arrivals_ptr + token * tl.num_programs(1) + pid_n
-        done = _add_and_arrive(row, result, n_mask, counter, TOP_K * tl.num_programs(2))
+        done = split_k.add_and_arrive(row, result, n_mask, counter, TOP_K * tl.num_programs(2))
         if done:
-            result = _total(row, n_mask)
+            result = split_k.total(row, n_mask)
     if done:
         tl.store(out_ptr + token * stride_out + offs_n, result.to(ACT_DTYPE), mask=n_mask)
 
 
-def k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
-    """(blocks per slice, slices) for splitting ``k`` into at most ``split_k`` slices of whole BLOCK_K blocks,
-    none of them empty (the kernels' ``_k_range``)."""
-    blocks = triton.cdiv(k, block_k)
-    per_slice = triton.cdiv(blocks, max(1, split_k))
-    return per_slice, triton.cdiv(blocks, per_slice)
+# What the decode's prepare launch writes per row (``_prepare_kernel``'s PREPARED): the CUDA-core kernels' pre-scaled
+# fp32 in field-major order, the tensor-core decode's act-order rows gathered in the activation dtype, or nothing.
+PREPARED = ("field_major", "rows", "none")
 
 
-class DecodeScratch:
-    """The fp32/int32 buffers one decode call needs, carved from one allocation the prepare launch zeroes.
-
-    ``inter`` (w2's prepared input) is inside the zeroed region only when I is not a multiple of BLOCK_K: its
-    padding must read as 0, everything else in it is written by w13."""
-
-    def __init__(
-        self,
-        m: int,
-        pairs: int,
-        h: int,
-        i: int,
-        block_k: int,
-        tiles13: int,
-        tiles2: int,
-        split13: bool,
-        reduce2: bool,
-        device,
-    ) -> None:
-        i_pad = triton.cdiv(i, block_k) * block_k
-        sizes = {
-            "out_sums": m * h if reduce2 else 1,
-            "out_arrivals": m * tiles2 if reduce2 else 1,
-            "gate_up_sums": pairs * 2 * i if split13 else 1,
-            "gate_up_arrivals": pairs * tiles13 if split13 else 1,
-            "inter": pairs * i_pad,
-        }
-        zeroed = list(sizes) if i_pad != i else list(sizes)[:-1]
-        self.zeroed_len = sum(sizes[name] for name in zeroed)
-        self.buffer = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
-        self.i_pad = i_pad
-        start = 0
-        self.views: dict[str, torch.Tensor] = {}
-        for name, size in sizes.items():
-            self.views[name] = self.buffer[start : start + size]
-            start += size
-        for name in ("out_sums", "gate_up_sums", "inter"):
-            self.views[name] = self.views[name].view(torch.float32)
+def prepare(
+    x: torch.Tensor,  # [M, H] fp16/bf16, unit stride along H
+    weights: MoeWeights,
+    topk_ids: torch.Tensor,  # [M, T] int32/int64
+    topk_weights: torch.Tensor,  # [M, T] fp32
+    scratch: split_k.DecodeScratch,
+    prepared: str,  # one of PREPARED
+    block_k: int,  # inputs per K block of the kernels that read the rows (field-major rows are laid out per block)
+    routing: tuple[torch.Tensor, bool] | None,  # (router logits [M, E] unit stride along E, renormalize)
+) -> torch.Tensor | None:
+    """The decode's first launch: the prepared rows (``prepared``; one a token, or one a pair under act-order,
+    gathered through its expert's permutation), the scratch zeroed and, with ``routing``, every token routed into
+    ``topk_ids`` and ``topk_weights``. Returns the prepared rows [rows, K padded to block_k] (None for "none")."""
+    m, h = x.shape
+    has_perm = weights.w13_perm is not None and prepared != "none"
+    k_pad = triton.cdiv(h, block_k) * block_k
+    rows = topk_ids.numel() if has_perm else m  # one per pair under act-order (its expert's permutation)
+    xp = None
+    if prepared != "none":  # field-major: [rows, K blocks * field * word] fp32; rows: [rows, K] as x
+        xp = torch.empty(rows, k_pad, dtype=torch.float32 if prepared == "field_major" else x.dtype, device=x.device)
+    blocks = k_pad // block_k
+    zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
+    logits, renormalize = routing if routing is not None else (x, False)  # logits unread without ROUTE
+    _prepare_kernel[(rows, blocks)](
+        x_ptr=x,
+        perm_ptr=weights.w13_perm if has_perm else topk_ids,
+        topk_ids_ptr=topk_ids,
+        xp_ptr=xp if xp is not None else x,
+        scratch_ptr=scratch.buffer,
+        logits_ptr=logits,
+        topk_weights_ptr=topk_weights,
+        num_experts=weights.num_experts,
+        K=h,
+        k_pad=k_pad,
+        scratch_len=scratch.zeroed_len,
+        zero_span=zero_span,
+        stride_x=x.stride(0),
+        stride_logits=logits.stride(0),
+        TOP_K=topk_ids.shape[1],
+        BITS=weights.bits,
+        HAS_PERM=has_perm,
+        MMA_ORDER=weights.mma_order,
+        BLOCK_K=block_k,
+        ZERO_BLOCK=256,
+        PREPARED=prepared,
+        ROUTE=routing is not None,
+        RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(weights.num_experts),
+        num_warps=1,
+        **dependent_launches(x.device),
+    )
+    return xp
 
 
 def launch(
@@ -506,45 +502,15 @@ def launch(
     block_n = config.block_n
     block_k = 128 if weights.mma_order else config.block_k
     has_perm = weights.w13_perm is not None
-    per_slice13, slices13 = k_slices(h, block_k, config.split_k)
-    per_slice2, slices2 = k_slices(n_inter, block_k, config.split_k)
+    per_slice13, slices13 = split_k.k_slices(h, block_k, config.split_k)
+    per_slice2, slices2 = split_k.k_slices(n_inter, block_k, config.split_k)
     tiles13, tiles2 = triton.cdiv(n_inter, block_n), triton.cdiv(h, block_n)
     reduce2 = top_k * slices2 > 1
-    scratch = DecodeScratch(m, num_pairs, h, n_inter, block_k, tiles13, tiles2, slices13 > 1, reduce2, x.device)
-    k_pad = triton.cdiv(h, block_k) * block_k
-    rows = num_pairs if has_perm else m  # prepared rows: one per pair under act-order (its expert's permutation)
-    xp = torch.empty(rows, k_pad, dtype=torch.float32, device=x.device)  # [rows, K blocks * field * word]
-    blocks = k_pad // block_k
-    zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
+    scratch = split_k.DecodeScratch(m, num_pairs, h, n_inter, block_k, tiles13, tiles2, slices13 > 1, reduce2, x.device)
+    xp = prepare(x, weights, topk_ids, topk_weights, scratch, "field_major", block_k, routing)
+    k_pad = xp.shape[1]
     order = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)
     launched = dependent_launches(x.device)
-    logits, renormalize = routing if routing is not None else (x, False)  # logits unread without ROUTE
-    _prepare_kernel[(rows, blocks)](
-        x_ptr=x,
-        perm_ptr=weights.w13_perm if has_perm else topk_ids,
-        topk_ids_ptr=topk_ids,
-        xp_ptr=xp,
-        scratch_ptr=scratch.buffer,
-        logits_ptr=logits,
-        topk_weights_ptr=topk_weights,
-        num_experts=weights.num_experts,
-        K=h,
-        k_pad=k_pad,
-        scratch_len=scratch.zeroed_len,
-        zero_span=zero_span,
-        stride_x=x.stride(0),
-        stride_logits=logits.stride(0),
-        TOP_K=top_k,
-        BITS=weights.bits,
-        HAS_PERM=has_perm,
-        ZERO_BLOCK=256,
-        ROUTE=routing is not None,
-        RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(weights.num_experts),
-        num_warps=1,
-        **order,
-        **launched,
-    )
     shared = dict(
         topk_ids_ptr=topk_ids,
         num_experts=weights.num_experts,
@@ -631,6 +597,10 @@ class Decode(KernelFamily):
 
     def supports(self, call: Call) -> bool:
         return True
+
+    def asked_by(self, config: KernelConfig) -> bool:
+        """Its own configs and the tensor-core decode's (kernels/decode_mma.py), which it runs where those cannot."""
+        return config.family in DECODE_FAMILIES
 
     def heuristic(self, call: Call) -> KernelConfig | None:
         """While :func:`direct_mode` and the Gluon kernels do not stream the call faster (:func:`gluon_streams_better`):

@@ -76,6 +76,7 @@ class KernelFamily(ABC):
     topk_sum: ClassVar[TopkSum]
     clears_target: ClassVar[bool] = False  # w13 zeroes the target that w2 adds into, so fused_moe does not
     runs_tl_tiles: ClassVar[bool] = False  # takes another family's tl tile where that family cannot run a call
+    interpreted: ClassVar[bool] = True  # its kernels run in Triton's interpreter (tl): the CPU-tested references
 
     @abstractmethod
     def supports(self, call: Call) -> bool:

@@ -697,6 +697,7 @@ class GluonSm90(KernelFamily):
     family = Family.GLUON_SM90
     topk_sum = TopkSum.BY_REDUCE
     clears_target = True  # w13 zeroes the [M, H] target ("atomic", "out") w2 adds into
+    interpreted = False  # Gluon: compiled for the GPU only
 
     def supports(self, call: Call) -> bool:
         return reads(call.weights) and os.environ.get(PORTABLE_ENV, "") != "1" and runs_on(call.device)

@@ -114,7 +114,7 @@ def _mask_or(words, MASK: tl.constexpr, MAGIC: tl.constexpr, INLINE_PTX: tl.cons
 
 
 @triton.jit
-def _pair_weights(words, zero_f, zero_odd, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
+def pair_weights(words, zero_f, zero_odd, scale, i: tl.constexpr, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr,
                   INLINE_PTX: tl.constexpr):  # fmt: skip
     """Chunk ``4g + i`` of ``mma128`` words [rows, 8] (half ``g`` of a K step) as a [rows, 16] MMA operand.
 
@@ -152,7 +152,7 @@ def _unbias(biased, zero_f, scale, ACT_DTYPE: tl.constexpr, SCALE_ACC: tl.conste
 
 
 @triton.jit
-def _zero_bias(zero, ACT_DTYPE: tl.constexpr):
+def zero_bias(zero, ACT_DTYPE: tl.constexpr):
     """``1024 + zero`` (fp16) or ``128 + zero`` (bf16): what the exponent trick leaves in each weight, plus its zero."""
     if tl.float16 == ACT_DTYPE:
         bias = (zero + 1024).to(tl.float16)
@@ -213,7 +213,7 @@ def _step_quant(scales_ptr, zeros_ptr, rows, k0, stride_s_g, row_mask, GROUP_LEN
         zero = tl.load(zeros_ptr + group * stride_s_g + rows, mask=row_mask, other=0).to(tl.int32)
     else:
         zero = tl.full(rows.shape, SYM_ZERO, tl.int32)
-    return scale, _zero_bias(zero, ACT_DTYPE), (zero + 64).to(tl.float16)
+    return scale, zero_bias(zero, ACT_DTYPE), (zero + 64).to(tl.float16)
 
 
 @triton.jit
@@ -252,7 +252,7 @@ def _k_loop(acc, w_ptrs, stride_step, a_cols, perm_row, scales_e, zeros_e, rows,
                 cols = _activation_columns(k0, c, offs_j, perm_row, HAS_PERM, MMA_ORDER, NIBBLE_MAJOR_X)
                 at = tl.load(a_cols + cols[:, None], mask=pair_mask[None, :], other=0.0)
                 words = low if c < 4 else high
-                weights = _pair_weights(words, zero_f, zero_odd, scale, c % 4, ACT_DTYPE, SCALE_ACC, INLINE_PTX)
+                weights = pair_weights(words, zero_f, zero_odd, scale, c % 4, ACT_DTYPE, SCALE_ACC, INLINE_PTX)
                 part = tl.dot(weights, at, part)
         else:
             words = tl.load(w_ptrs, mask=row_mask[:, None], other=0)

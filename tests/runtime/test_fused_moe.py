@@ -395,7 +395,7 @@ def test_a_tiled_stack_with_row_major_words_is_one_line(device):
 
 
 def test_k_slices_are_never_empty():
-    from repack.runtime.kernels.decode import k_slices
+    from repack.runtime.kernels.split_k import k_slices
 
     for k_blocks in range(1, 40):
         for split in range(1, 9):

@@ -117,8 +117,13 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
         prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg.block_k, ZERO_BLOCK=256,
                        DEPENDENT=True)  # fmt: skip
         routing = dict(ROUTE=True, RENORMALIZE=True, BLOCK_E=128)  # routes in it, act-order stacks too
-        first = _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr), dict(prepare, **routing), 1, 1)
+        field_major = dict(prepare, **routing, PREPARED="field_major")
+        first = _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr), field_major, 1, 1)
         check_dependent_launches(first.asm["ptx"], w13.asm["ptx"], w2.asm["ptx"])
+        # the tensor-core decode's (kernels/decode_mma.py): act-order rows in the activation dtype, or none
+        tensor_core = dict(prepare, **routing, PREPARED="rows" if asym else "none", BLOCK_K=128)
+        rows = _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr, xp_ptr=ptr), tensor_core, 1, 1)
+        assert before_dependency_wait_untouched(rows.asm["ptx"])
     else:
         mma = dict(common, EXPONENT_TRICK=True, BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, **tiles)
         w13 = _compile(_w13_kernel, types, {**mma, "HAS_PERM": asym}, *launch)
@@ -130,6 +135,13 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
         fallback = compile_config(replace(cfg, family=Family.GPTQ_ORDER, direct=False), act, variant, mma_order)
         shared.update({f"{name} fallback": size for name, size in fallback.items()})
     return shared
+
+
+def before_dependency_wait_untouched(ptx: str) -> bool:
+    """Whether a kernel touches no global memory before its dependent launch's wait."""
+    from tests.support.sm90 import before_dependency_wait
+
+    return before_dependency_wait(ptx) == {"waits": 1, "loads": 0, "l2_loads": 0, "writes": 0}
 
 
 def check_dependent_launches(prepare_ptx: str, w13_ptx: str, w2_ptx: str) -> None:

@@ -37,10 +37,12 @@ def sm90(monkeypatch):
 
 
 def test_families_are_walked_in_one_order_and_each_describes_itself():
-    assert [f.family for f in FAMILIES] == [Family.DECODE, Family.GLUON_SM90, Family.WEIGHT_MAJOR, Family.GPTQ_ORDER]
+    walked = [Family.DECODE_MMA, Family.DECODE, Family.GLUON_SM90, Family.WEIGHT_MAJOR, Family.GPTQ_ORDER]
+    assert [f.family for f in FAMILIES] == walked
     assert [f.family for f in FAMILIES if f.runs_tl_tiles] == [Family.WEIGHT_MAJOR, Family.GPTQ_ORDER]
-    assert [f.topk_sum.value for f in FAMILIES] == ["in_w2", "by_reduce", "by_reduce", "by_reduce"]
-    assert [f.clears_target for f in FAMILIES] == [False, True, False, False]
+    assert [f.family for f in FAMILIES if not f.interpreted] == [Family.DECODE_MMA, Family.GLUON_SM90]
+    assert [f.topk_sum.value for f in FAMILIES] == ["in_w2", "in_w2", "by_reduce", "by_reduce", "by_reduce"]
+    assert [f.clears_target for f in FAMILIES] == [False, False, True, False, False]
 
 
 def test_decode_configs_take_the_decode_kernels_on_any_stack():
@@ -160,8 +162,9 @@ def test_family_and_gluon_keys_round_trip_and_bad_ones_are_one_line_errors():
         (dict(GLUON, GLUON=[24, 64, 1]), "unsupported tile"),
         (dict(GLUON, GLUON="16,64"), "GLUON must be"),
         (dict(WEIGHT_MAJOR, GLUON=[16, 64, 1]), "GLUON tile is the gluon_sm90 family's"),
-        (dict(TILE, FAMILY="marlin"), "FAMILY must be one of decode, gluon_sm90, weight_major, gptq_order"),
+        (dict(TILE, FAMILY="marlin"), "FAMILY must be one of decode, decode_mma, gluon_sm90, weight_major, gptq_order"),
         (dict(TILE, FAMILY="decode", DIRECT=False), "decode kernels run one program per pair"),
+        (dict(TILE, FAMILY="decode_mma", DIRECT=False), "decode kernels run one program per pair"),
         (dict(GLUON, DIRECT=True), "DIRECT .* is a decode or weight_major mode, not gluon_sm90's"),
         (dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 5]), "per_sm 5; use 0 .* or 2/3/4 persistent programs per SM"),
         (dict(GLUON, GLUON=[16, 128, 1, 4, 4, 0, 4]), "takes one warpgroup and 64 channels"),

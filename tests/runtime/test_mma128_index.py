@@ -2,7 +2,7 @@
 
 formats/stacks.py defines "mma128" as data (``MMA128_INDEX``: entry ``8w + s`` is the input that field s of word w
 holds) and writes it with ``to_word_order``. The decode kernels (``_field_input`` and its inverse
-``_field_major_slot``) and the weight-major kernels (``_pair_weights`` + ``_activation_columns``; ``_channel_of``
+``_field_major_slot``) and the weight-major kernels (``pair_weights`` + ``_activation_columns``; ``_channel_of``
 for gptq-order stacks) each restate that permutation as index arithmetic. End-to-end tests would catch a
 disagreement only as a numeric error somewhere; these run the jit helpers themselves in small kernels.
 """
@@ -15,7 +15,7 @@ import triton.language as tl
 
 from repack.formats.stacks import MMA128_BLOCK, MMA128_INDEX, MMA128_ORDER, to_word_order
 from repack.runtime.kernels.decode import _field_input, _field_major_slot
-from repack.runtime.kernels.weight_major import _activation_columns, _channel_of, _pair_weights, nibble_major
+from repack.runtime.kernels.weight_major import _activation_columns, _channel_of, nibble_major, pair_weights
 
 WORDS = MMA128_BLOCK // 8  # int32 words of one 128-input block (4-bit)
 
@@ -34,7 +34,7 @@ def _decode_index_kernel(input_ptr, slot_ptr, MMA_ORDER: tl.constexpr, WORDS: tl
 @triton.jit
 def _weight_major_operand_kernel(words_ptr, out_ptr, ROWS: tl.constexpr):
     """out[row, column] = the weight the mma128 K step's dots multiply with activation ``column``: each chunk's
-    [ROWS, 16] operand from _pair_weights (q - zero, zero 0, no scale), scattered to _activation_columns."""
+    [ROWS, 16] operand from pair_weights (q - zero, zero 0, no scale), scattered to _activation_columns."""
     rows = tl.arange(0, ROWS)
     offs_j = tl.arange(0, 16)
     low = tl.load(words_ptr + rows[:, None] * 16 + tl.arange(0, 8)[None, :])  # chunks 0..3
@@ -44,7 +44,7 @@ def _weight_major_operand_kernel(words_ptr, out_ptr, ROWS: tl.constexpr):
     scale = tl.full((ROWS,), 1.0, tl.float16)
     for c in tl.static_range(8):
         words = low if c < 4 else high
-        weights = _pair_weights(words, zero_f, zero_odd, scale, c % 4, tl.float16, True, False)
+        weights = pair_weights(words, zero_f, zero_odd, scale, c % 4, tl.float16, True, False)
         cols = _activation_columns(0, c, offs_j, words_ptr, False, True, False)
         tl.store(out_ptr + rows[:, None] * 128 + cols[None, :], weights.to(tl.float32))
 

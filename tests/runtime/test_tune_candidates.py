@@ -10,7 +10,7 @@ from benchmarks.make_configs import code_path
 from repack.formats.errors import RepackError
 from repack.formats.stacks import GPTQ_ORDER
 from repack.runtime.fused_moe import choose_family
-from repack.runtime.kernel_config import Family, KernelConfig
+from repack.runtime.kernel_config import DECODE_FAMILIES, Family, KernelConfig
 from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.gluon_sm90 import GLUON_ENV, PORTABLE_ENV
 from repack.runtime.tune import (
@@ -56,7 +56,8 @@ def test_every_candidate_runs_the_family_its_table_entry_names(monkeypatch, runs
     stack, device = zero_stack(), torch.device("cpu")
     for m in (1, LARGE_M):
         configs = candidate_configs(m, 2, stack)
-        assert {c.family for c in configs} == ({Family.DECODE} if m == 1 else set()) | {
+        decode = {Family.DECODE, *([Family.DECODE_MMA] if runs else [])}
+        assert {c.family for c in configs} == (decode if m == 1 else set()) | {
             Family.WEIGHT_MAJOR,
             *([Family.GLUON_SM90] if runs else []),
         }
@@ -95,7 +96,7 @@ def test_no_gluon_tiles_where_gluon_is_not_searched(monkeypatch, stack):
         configs = candidate_configs(m, 2, stack)
         assert any(c.family is not Family.DECODE and not c.direct for c in configs)
         assert not any(c.family is Family.GLUON_SM90 for c in configs)
-        tl = {c.family for c in configs if c.family is not Family.DECODE}
+        tl = {c.family for c in configs if c.family not in DECODE_FAMILIES}
         assert tl == ({Family.WEIGHT_MAJOR} if stack.mma_order else {Family.WEIGHT_MAJOR, Family.GPTQ_ORDER})
 
 
