@@ -441,6 +441,8 @@ def prepare(
     """The decode's first launch: the prepared rows (``prepared``; one a token, or one a pair under act-order,
     gathered through its expert's permutation), the scratch zeroed and, with ``routing``, every token routed into
     ``topk_ids`` and ``topk_weights``. Returns the prepared rows [rows, K padded to block_k] (None for "none")."""
+    if prepared not in PREPARED:
+        raise ValueError(f"decode.prepare: prepared must be one of {PREPARED}, not {prepared!r}")
     m, h = x.shape
     has_perm = weights.w13_perm is not None and prepared != "none"
     k_pad = triton.cdiv(h, block_k) * block_k
@@ -567,6 +569,12 @@ GLUON_DECODE_PAIRS = 24  # from this many pairs up the persistent Gluon kernels 
 GLUON_DECODE_WEIGHTS = 10**8  # from this many weights streamed per call up (pairs x hidden x intermediate) the same
 
 
+def heuristic_split(num_pairs: int, few_pairs_split: int) -> int:
+    """K slices for ``num_pairs`` pairs: ``few_pairs_split`` up to 8 pairs, 2 up to 16, then whole K (KERNEL_NOTES.md
+    items 10 and 34)."""
+    return few_pairs_split if num_pairs <= 8 else 2 if num_pairs <= 16 else 1
+
+
 def gluon_streams_better(call: Call) -> bool:
     """Where the Gluon sm_90 kernels run the call, whether they beat these kernels even with few pairs, as measured
     on the H200 (benchmarks/KERNEL_NOTES.md items 20 and 26, same process): a hidden size of GLUON_DECODE_HIDDEN or
@@ -607,7 +615,7 @@ class Decode(KernelFamily):
         few pairs leave most of the GPU idle, so slices of K give it programs (KERNEL_NOTES.md item 10)."""
         if not direct_mode(call.num_pairs, call.weights.num_experts) or gluon_streams_better(call):
             return None
-        split = FEW_PAIRS_SPLIT if call.num_pairs <= 8 else 2 if call.num_pairs <= 16 else 1
+        split = heuristic_split(call.num_pairs, FEW_PAIRS_SPLIT)
         return KernelConfig(
             Family.DECODE, 16, BLOCK_N, 128, 1, num_warps=1, num_stages=1, direct=True, split_k=split, prefetch=PREFETCH
         )

@@ -46,7 +46,7 @@ from repack.runtime.kernels.common import (
     wait_for_previous_kernel,
     word_rows,
 )
-from repack.runtime.kernels.family import Call, KernelFamily, TopkSum, Work
+from repack.runtime.kernels.family import Call, Work
 from repack.runtime.weights import MoeWeights
 
 if gluon_sm90.available():
@@ -484,12 +484,12 @@ def fits(config: KernelConfig) -> bool:
     return config.block_n in (16, 32, 64) and config.num_warps in (1, 2, 4) and config.block_n >= 16 * config.num_warps
 
 
-class DecodeMma(KernelFamily):
+class DecodeMma(decode.Decode):
     """mma128 stacks (4-bit, groups of a multiple of 128) in fp16 or bf16 on a compute capability 9.0 GPU, one warp
-    per pair, channel tile and K slice; where they cannot run a config, the CUDA-core decode runs it."""
+    per pair, channel tile and K slice; where they cannot run a config, the CUDA-core decode runs it. The CUDA-core
+    decode's family otherwise: one program per pair, the top-k summed in w2, the routing in the first launch."""
 
     family = Family.DECODE_MMA
-    topk_sum = TopkSum.IN_W2
     interpreted = False
 
     def supports(self, call: Call) -> bool:
@@ -499,7 +499,7 @@ class DecodeMma(KernelFamily):
         """The calls the CUDA-core decode's heuristic takes, while :data:`PREFERRED`."""
         if not PREFERRED or not self.supports(call) or decode.FAMILY.heuristic(call) is None:
             return None
-        split = FEW_PAIRS_SPLIT if call.num_pairs <= 8 else 2 if call.num_pairs <= 16 else 1
+        split = decode.heuristic_split(call.num_pairs, FEW_PAIRS_SPLIT)
         return KernelConfig(
             Family.DECODE_MMA, TOKENS.value, BLOCK_N, STEP_K.value, 1, WARPS, 1, direct=True, split_k=split
         )
@@ -513,13 +513,6 @@ class DecodeMma(KernelFamily):
         if not (self.supports(call) and fits(config)):
             return None
         return replace(config, family=self.family, gluon=None, block_k=STEP_K.value)
-
-    def block_rows(self, config: KernelConfig) -> None:
-        return None
-
-    def routes_in_first_launch(self, weights: MoeWeights) -> bool:
-        """The prepare launch routes each token (act-order too: it gathers each pair's row there)."""
-        return True
 
     def run(self, work: Work, config: KernelConfig) -> None:
         launch(work.x, work.weights, work.topk_ids, work.topk_weights, work.out, config, work.routing)

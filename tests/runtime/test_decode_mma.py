@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from repack.runtime.fused_moe import choose_family, fused_moe, heuristic_config
 from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels import decode, decode_mma, gluon_sm90, split_k
 from repack.runtime.kernels.family import Call
+from repack.runtime.weights import MoeWeights
 from tests.support.sm90 import before_dependency_wait, ptxas_spills
 from tests.support.stacks import zero_stack
 
@@ -198,3 +200,46 @@ def test_the_kernels_compile_for_sm90_with_every_operand_in_registers(act, asym,
             assert before == {"waits": 1, "loads": 0, "l2_loads": 0, "writes": 0}, where
         else:  # the first step's words and the pair's id (past L1) while w13 runs
             assert before["l2_loads"] == 1 and before["loads"] > 1, (where, before)
+
+
+def _hopper_with_gluon() -> bool:
+    return torch.cuda.is_available() and gluon_sm90.runs_on(torch.device("cuda"))
+
+
+def _gpu_stack(asym_act_order: bool) -> MoeWeights:
+    """A random mma128 stack on the GPU (tune.random_stack's), with random zeros and act-order permutations when
+    asked."""
+    from repack.runtime.tune import random_stack
+
+    stack = random_stack(8, 512, 256, 1)[0]
+    if asym_act_order:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        zeros = lambda s: torch.randint(0, 16, s.shape, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
+        perm = torch.stack([torch.randperm(512, device="cuda", generator=gen) for _ in range(8)]).to(torch.int32)
+        stack = replace(stack, w13_zeros=zeros(stack.w13_scales), w2_zeros=zeros(stack.w2_scales), w13_perm=perm)
+    return stack
+
+
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="Gluon kernels: a compute capability 9.0 GPU only")
+@pytest.mark.parametrize("asym_act_order", [False, True], ids=["sym", "asym-actorder"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("route", [False, True], ids=["prepare-routes", "gemms-route"])
+def test_on_hopper_the_tensor_core_decode_computes_what_the_cuda_core_one_does(monkeypatch, dtype, asym_act_order,
+                                                                             route):  # fmt: skip
+    """Every tile repack tune searches, 1 and 3 tokens (split K and whole K), from router logits as MoeBlock calls:
+    within the fp16/bf16 tolerance of the CUDA-core decode (both against float32 sums: 1e-3 and 5e-3 relative)."""
+    from repack.runtime.fused_moe import routed_moe
+    from repack.runtime.tune import DECODE_MMA_CONFIGS
+
+    monkeypatch.setattr(decode_mma, "ROUTE_IN_GEMMS", route)
+    stack = _gpu_stack(asym_act_order)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for m in (1, 3):
+        x = torch.randn(m, 512, device="cuda", generator=gen).to(dtype)
+        logits = torch.randn(m, 8, device="cuda", generator=gen)
+        expected = routed_moe(x, stack, logits, 2, True, config=dict(MMA, FAMILY="decode")).float()
+        for config in DECODE_MMA_CONFIGS:
+            assert choose_family(stack, config, torch.device("cuda"), dtype, 2 * m)[0].family is Family.DECODE_MMA
+            got = routed_moe(x, stack, logits, 2, True, config=config).float()
+            error = ((got - expected).norm() / expected.norm()).item()
+            assert error <= (1e-3 if dtype == torch.float16 else 5e-3), (m, config, error)
