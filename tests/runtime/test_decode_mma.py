@@ -91,6 +91,7 @@ def test_the_prepare_launch_gathers_each_act_order_pair_row_and_zeroes_the_scrat
     torch.manual_seed(1)
     stack = zero_stack(act_order=True)
     k = stack.hidden_size
+    stack = replace(stack, w13_perm=torch.stack([torch.randperm(k) for _ in range(stack.num_experts)]).to(torch.int32))
     x = torch.randn(2, k, dtype=torch.float16)
     ids = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
     weights = torch.ones(2, 2)
