@@ -38,9 +38,12 @@ def sm90(monkeypatch):
 
 
 def test_a_config_reads_back_as_written_and_is_always_one_program_per_pair():
+    from benchmarks.make_configs import code_path
+
     config = KernelConfig.from_dict(MMA)
     assert config.family is Family.DECODE_MMA and config.direct and config.split_k == 4
     assert config.to_dict() == MMA  # DIRECT implied, as for the CUDA-core decode
+    assert code_path(MMA) == "decode-mma"  # a code path of its own in the table maker's sweeps
 
 
 def test_the_cuda_core_decode_runs_its_configs_where_it_cannot(sm90):
