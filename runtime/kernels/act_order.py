@@ -18,6 +18,13 @@ import triton.language as tl
 from repack.runtime.kernels.common import await_previous_kernel, dependent_launches, expert_of
 
 BLOCK_H = 1024  # columns per program: 16-byte stores of eight fp16/bf16 per thread at 4 warps
+# Gather from the token's whole row staged in shared memory (``tl.gather``), one program per pair: every global load
+# and store coalesced, where the kernel above loads each of its columns on its own (eight 2-byte loads a thread into
+# a 7 KB row). Its glue at Qwen2-57B act-order M = 256 was 23.1 us against plain fp16's 5.5 (benchmarks/RESULTS.md
+# 2026-12-07 07:30 UTC, the one cell act-order misses by more than 5%); predicted 5-8 us for the gather this way.
+# Off until measured (the anchor's `project:act_order.GATHER_IN_SHARED=True`; KERNEL_NOTES.md item 38).
+GATHER_IN_SHARED = False
+SHARED_COLUMNS = 2048  # output columns a step of the shared-memory gather (a step's indices and values in registers)
 
 
 @triton.jit
@@ -33,6 +40,23 @@ def _gather_kernel(x_ptr, ids_ptr, perm_ptr, out_ptr, H, num_experts, stride_x, 
     tl.store(out_ptr + pair.to(tl.int64) * H + cols, row, mask=ok)
 
 
+@triton.jit
+def _gather_shared_kernel(x_ptr, ids_ptr, perm_ptr, out_ptr, H, num_experts, stride_x, TOP_K: tl.constexpr,
+                          H_POW: tl.constexpr, BLOCK_H: tl.constexpr, DEPENDENT: tl.constexpr = False):  # fmt: skip
+    """Row ``pair`` of the gathered activations: the token's row loaded whole (coalesced; Triton stages it in shared
+    memory for ``tl.gather``), then BLOCK_H columns a step gathered from it through the expert's permutation."""
+    await_previous_kernel(DEPENDENT)
+    pair = tl.program_id(0)
+    expert = expert_of(ids_ptr, pair, num_experts)
+    columns = tl.arange(0, H_POW)
+    row = tl.load(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x + columns, mask=columns < H, other=0.0)
+    for start in tl.static_range(0, H_POW, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        src = tl.load(perm_ptr + expert * H + cols, mask=ok, other=0)
+        tl.store(out_ptr + pair.to(tl.int64) * H + cols, tl.gather(row, src, 0), mask=ok)
+
+
 def gather_act_order(x: torch.Tensor, topk_ids: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """``[P, H]``: row ``p`` is token ``p // T``'s activations in expert ``topk_ids.flat[p]``'s column order.
 
@@ -41,7 +65,14 @@ def gather_act_order(x: torch.Tensor, topk_ids: torch.Tensor, perm: torch.Tensor
     m, h = x.shape
     top_k = topk_ids.shape[1]
     out = torch.empty(m * top_k, h, dtype=x.dtype, device=x.device)
-    if out.numel():
+    if not out.numel():
+        return out
+    if GATHER_IN_SHARED:
+        h_pow = triton.next_power_of_2(h)
+        _gather_shared_kernel[(m * top_k,)](x, topk_ids, perm, out, h, perm.shape[0], x.stride(0), TOP_K=top_k,
+                                            H_POW=h_pow, BLOCK_H=min(h_pow, SHARED_COLUMNS), num_warps=8,
+                                            **dependent_launches(x.device))  # fmt: skip
+    else:
         grid = (m * top_k, triton.cdiv(h, BLOCK_H))
         _gather_kernel[grid](x, topk_ids, perm, out, h, perm.shape[0], x.stride(0), TOP_K=top_k, BLOCK_H=BLOCK_H,
                              **dependent_launches(x.device))  # fmt: skip

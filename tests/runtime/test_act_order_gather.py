@@ -5,12 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from repack.runtime.kernels.act_order import BLOCK_H, gather_act_order
+from repack.runtime.kernels import act_order
+from repack.runtime.kernels.act_order import BLOCK_H, SHARED_COLUMNS, gather_act_order
 
 
-@pytest.mark.parametrize(("tokens", "top_k", "experts", "hidden"), [(3, 2, 4, 256), (5, 3, 6, BLOCK_H + 128)])
-def test_gather_gives_each_pair_its_experts_column_order(device, tokens, top_k, experts, hidden):
-    """Row p is token p // k in expert ids[p]'s order, for H spanning more than one program (a masked tail)."""
+@pytest.mark.parametrize("in_shared", [False, True], ids=["column-loads", "shared-row"])
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "hidden"),
+    [(3, 2, 4, 256), (5, 3, 6, BLOCK_H + 128), (2, 2, 3, SHARED_COLUMNS + 128)],
+)
+def test_gather_gives_each_pair_its_experts_column_order(monkeypatch, device, in_shared, tokens, top_k, experts,
+                                                         hidden):  # fmt: skip
+    """Row p is token p // k in expert ids[p]'s order, for H spanning more than one program or step (a masked tail),
+    by either kernel."""
+    monkeypatch.setattr(act_order, "GATHER_IN_SHARED", in_shared)
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=gen).to(torch.float16)
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(torch.int32)
