@@ -254,7 +254,7 @@ if gluon_sm90.available():
         stride_logits,
         # the stack and the activations
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
-        ROW_PER_PAIR: gl.constexpr, DTYPE: gl.constexpr,
+        ROW_PER_PAIR: gl.constexpr,
         # routing in this kernel (:data:`ROUTE_IN_GEMMS`)
         ROUTE: gl.constexpr, RENORMALIZE: gl.constexpr, BLOCK_E: gl.constexpr,
         # kernel switches and tile
@@ -286,6 +286,7 @@ if gluon_sm90.available():
         up_w, up_s, up_z, up_rows = _projection_ptrs(qw_e, scales_e, zeros_e, N + n0, stride_qw_band, stride_qw_row,
                                                      BLOCK_N)  # fmt: skip
         k_begin, k_end, k_last = split_k.k_range(K, blocks_per_split, STEP_K)
+        DTYPE: gl.constexpr = x_ptr.dtype.element_ty  # the activations' (fp16 or bf16)
         IS_FP16: gl.constexpr = gl.float16 == DTYPE
         acc_gate = gl.full([BLOCK_N, TOKENS], 0.0, gl.float32, layout=acc_layout(gl.num_warps()))
         acc_up = acc_gate
@@ -338,7 +339,6 @@ if gluon_sm90.available():
         stride_logits,
         # the stack and the activations
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
-        DTYPE: gl.constexpr,
         # routing in this kernel (:data:`ROUTE_IN_GEMMS`)
         ROUTE: gl.constexpr, RENORMALIZE: gl.constexpr, BLOCK_E: gl.constexpr,
         # kernel switches and tile
@@ -370,6 +370,7 @@ if gluon_sm90.available():
         low, high = _step_words(w_ptrs, k_begin, k_last, stride_qw_step)  # before the wait: w13 still runs
         await_previous_kernel(DEPENDENT)  # w13's intermediate from here on
         inter_row = inter_ptr + pair.to(gl.int64) * stride_inter
+        DTYPE: gl.constexpr = inter_ptr.dtype.element_ty  # the activations' (fp16 or bf16)
         IS_FP16: gl.constexpr = gl.float16 == DTYPE
         acc = gl.full([BLOCK_N, TOKENS], 0.0, gl.float32, layout=acc_layout(gl.num_warps()))
         for k0 in range(k_begin, k_end, STEP_K):
@@ -403,7 +404,7 @@ if gluon_sm90.available():
 # Host side
 # ---------------------------------------------------------------------------------------------------------------
 
-GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}  # activation dtype -> gl's, by name
+DTYPES = (torch.float16, torch.bfloat16)  # the activations these kernels take
 
 # Whether these kernels take the calls the CUDA-core decode would (its heuristic's, kernels/decode.py
 # ``Decode.heuristic``, and a tuned table's decode entries): off until they are measured beside the CUDA-core ones
@@ -462,7 +463,6 @@ def launch(
         TOP_K=top_k,
         SYM_ZERO=1 << (weights.bits - 1),
         HAS_ZEROS=weights.w13_zeros is not None,
-        DTYPE=getattr(gl, GL_DTYPES[x.dtype]),
         BLOCK_N=block_n,
         num_warps=config.num_warps,
         **dependent_launches(x.device),
@@ -493,7 +493,7 @@ class DecodeMma(decode.Decode):
     interpreted = False
 
     def supports(self, call: Call) -> bool:
-        return gluon_sm90.runs_on(call.device) and gluon_sm90.reads(call.weights) and call.dtype in GL_DTYPES
+        return gluon_sm90.runs_on(call.device) and gluon_sm90.reads(call.weights) and call.dtype in DTYPES
 
     def heuristic(self, call: Call) -> KernelConfig | None:
         """The calls the CUDA-core decode's heuristic takes, while :data:`PREFERRED`."""

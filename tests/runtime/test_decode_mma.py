@@ -113,7 +113,6 @@ _CHILD = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from repack.runtime.kernels import decode_mma as d
 
@@ -122,7 +121,7 @@ asym, route = sys.argv[2] == "1", sys.argv[5] == "1"
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8",
              topk_ids_ptr="*i32", topk_weights_ptr="*fp32", sums_ptr="*fp32", arrivals_ptr="*i32", logits_ptr=ptr)
-shared = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, DTYPE=getattr(gl, act), BLOCK_N=block_n,
+shared = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_N=block_n,
               ROUTE=route, RENORMALIZE=True, BLOCK_E=128,
               DEPENDENT=True)  # as launched on sm_90 (kernels/backend.py dependent_launch)
 report = {}
