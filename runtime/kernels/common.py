@@ -27,9 +27,8 @@ def await_previous_kernel(DEPENDENT: tl.constexpr):
     are visible: before its first read of anything a kernel before it wrote, and before its first write (the
     memory may still be read by it); weights and the launch's own arguments may be read before. Then lets the
     kernel after it be scheduled: its programs take the SM room this one's finished programs leave."""
-    if DEPENDENT:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(DEPENDENT)
+    release_dependents(DEPENDENT)
 
 
 @triton.jit

@@ -41,6 +41,7 @@ from repack.runtime.kernels import decode, gluon_sm90, split_k
 from repack.runtime.kernels.common import (
     await_previous_kernel,
     dependent_launches,
+    expert_of,
     projection_args,
     release_dependents,
     wait_for_previous_kernel,
@@ -54,6 +55,8 @@ if gluon_sm90.available():
     from triton.experimental.gluon import constexpr_function
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from repack.runtime.kernels.gluon_sm90 import _dequant_pairs, _pack2
 
 STEP_K = tl.constexpr(128)  # inputs per K step: one mma128 block of 16 words a row, one scale group
 TOKENS = tl.constexpr(8)  # the MMA's N: the pair's token and seven columns of zeros (m16n8k16)
@@ -95,52 +98,6 @@ if gluon_sm90.available():
         return gl.load(ptrs), gl.load(ptrs + 8)
 
     @gluon.jit
-    def _pack2(v16):
-        """A 16-bit value (as int16 bits) in both halves of an int32: the fp16x2 / bf16x2 operand of PTX."""
-        low = v16.to(gl.int32) & 0xFFFF
-        return low | (low << 16)
-
-    @gluon.jit
-    def _step_bias(zeros_ptr, rows, group, stride_s_g, HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr,
-                   IS_FP16: gl.constexpr):  # fmt: skip
-        """(-(bias + zero), -(64 + zero)) per row [rows, 1], packed x2 in the activation dtype (fp16: bias 1024; bf16:
-        bias 128, the second unused): what the exponent trick leaves in each weight, taken off exactly."""
-        if HAS_ZEROS:
-            zero = gl.load(zeros_ptr + group * stride_s_g + rows).to(gl.int32)
-        else:
-            zero = gl.full(rows.shape, SYM_ZERO, gl.int32, layout=rows.type.layout)
-        if IS_FP16:
-            bias2 = _pack2((-(zero + 1024)).to(gl.float16).to(gl.int16, bitcast=True))
-            odd2 = _pack2((-(zero + 64)).to(gl.float16).to(gl.int16, bitcast=True))
-        else:
-            bias2 = _pack2((-(zero + 128)).to(gl.bfloat16).to(gl.int16, bitcast=True))
-            odd2 = bias2
-        return gl.expand_dims(bias2, 1), gl.expand_dims(odd2, 1)
-
-    @gluon.jit
-    def _chunk_weights(words, i: gl.constexpr, bias2, odd2, IS_FP16: gl.constexpr, DTYPE: gl.constexpr):
-        """Chunk ``4g + i`` of half-step words [rows, 8] as the [rows, 16] A operand of exact ``q - zero``: one LOP3
-        and one packed add (fp16's odd chunks: an FMA by 1/16, their fields four bits up) per two weights, as
-        kernels/gluon_sm90.py's ``_dequant_chunk`` with the scale applied after the MMA."""
-        if IS_FP16:
-            src = words if i < 2 else words >> 8
-            if i % 2 == 0:
-                FIELDS: gl.constexpr = "lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; add.f16x2 t, t, $3; "
-            else:  # 1024 + 16q, times 1/16, is 64 + q (exact)
-                FIELDS: gl.constexpr = (
-                    "mov.b32 s, 0x2C002C00; lop3.b32 t, $2, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 t, t, s, $4; "
-                )
-        else:
-            src = words >> (4 * i) if i > 0 else words
-            FIELDS: gl.constexpr = "lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; add.rn.bf16x2 t, t, $3; "
-        asm: gl.constexpr = "{ .reg .b32 t, s; " + FIELDS + "mov.b32 {$0, $1}, t; }"
-        lo, hi = gl.inline_asm_elementwise(
-            asm, "=h,=h,r,r,r", [src, bias2, odd2], dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1
-        )
-        weights = gl.reshape(gl.join(lo, hi), [words.shape[0], 16])
-        return gl.convert_layout(weights, operand_layout(0, gl.num_warps()), assert_trivial=True)
-
-    @gluon.jit
     def _chunk_inputs(x_row_ptr, k0, c: gl.constexpr, DTYPE: gl.constexpr, L2_ONLY: gl.constexpr = False):
         """The [16, TOKENS] B operand of chunk ``c`` of the K step at ``k0``: inputs ``k0 + 16c .. + 15`` of the pair's
         row in column 0, zeros elsewhere (lanes 0-3 load, the others only predicate). L2_ONLY: past L1 (``.cg``),
@@ -157,17 +114,31 @@ if gluon_sm90.available():
     @gluon.jit
     def _step_quant(scale_ptrs, zero_ptrs, zero_rows, k0, stride_s_g, GROUP_LEN: gl.constexpr,
                     HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, IS_FP16: gl.constexpr):  # fmt: skip
-        """(scale [rows, 1] fp32 in the accumulator's layout, the two biases of :func:`_step_bias`) of the K step at
-        ``k0``."""
+        """(scale [rows, 1] fp32 in the accumulator's layout, -(bias + zero), -(64 + zero) [rows, 1] packed x2 in the
+        words' layout) of the K step at ``k0``: gluon_sm90's ``_step_quant`` with SCALE_AFTER, without its row masks
+        (every row of these tiles is in range; the masks cost 30-40 instructions a K step in the w13 loop)."""
         group = k0 // GROUP_LEN
         scale = gl.expand_dims(gl.load(scale_ptrs + group * stride_s_g).to(gl.float32), 1)
-        bias2, odd2 = _step_bias(zero_ptrs, zero_rows, group, stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16)
-        return scale, bias2, odd2
+        if HAS_ZEROS:
+            zero = gl.load(zero_ptrs + group * stride_s_g + zero_rows).to(gl.int32)
+        else:
+            zero = gl.full(zero_rows.shape, SYM_ZERO, gl.int32, layout=zero_rows.type.layout)
+        if IS_FP16:
+            bias2 = _pack2((-(zero + 1024)).to(gl.float16).to(gl.int16, bitcast=True))
+            odd2 = _pack2((-(zero + 64)).to(gl.float16).to(gl.int16, bitcast=True))
+        else:  # bf16 has no odd-chunk shift: its second bias is unused
+            bias2 = _pack2((-(zero + 128)).to(gl.bfloat16).to(gl.int16, bitcast=True))
+            odd2 = bias2
+        return scale, gl.expand_dims(bias2, 1), gl.expand_dims(odd2, 1)
 
     @gluon.jit
     def _mma_chunk(part, words, c: gl.constexpr, bias2, odd2, b, IS_FP16: gl.constexpr, DTYPE: gl.constexpr):
-        """part + (W - zero)[rows, chunk c] @ b: one chunk of a K step (``words``: its half step's)."""
-        return mma_v2(_chunk_weights(words, c % 4, bias2, odd2, IS_FP16, DTYPE), b, part)
+        """part + (W - zero)[rows, chunk c] @ b: one chunk of a K step (``words``: its half step's), its exact
+        ``q - zero`` weights from gluon_sm90's dequantization (one LOP3 and one packed add per two weights), which
+        already sit in the m16n8k16 A fragment: the step's sum is scaled after (``_step_quant``'s SCALE_AFTER)."""
+        weights = _dequant_pairs(words, c % 4, bias2, bias2, odd2, IS_FP16, DTYPE, True)
+        a = gl.convert_layout(weights, operand_layout(0, gl.num_warps()), assert_trivial=True)
+        return mma_v2(a, b, part)
 
     @gluon.jit
     def _token_column(acc):
@@ -189,19 +160,6 @@ if gluon_sm90.available():
         w_ptrs = qw_e + gl.expand_dims(word_rows(rows, stride_qw_band, stride_qw_row), 1) + gl.expand_dims(offs_w, 0)
         scale_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout(gl.num_warps())))
         return w_ptrs, scales_e + scale_rows, zeros_e, rows
-
-    @gluon.jit
-    def _add_and_arrive(row_ptrs, values, counter_ptr, expected):
-        """Add ``values`` into fp32 ``row_ptrs`` and count this program in; True for the last of ``expected`` (the
-        barrier orders the adds before the count, whose acq_rel atomic publishes them: kernels/split_k.py)."""
-        gl.atomic_add(row_ptrs, values, sem="relaxed")
-        gl.thread_barrier()
-        return gl.atomic_add(counter_ptr, 1, sem="acq_rel") == expected - 1
-
-    @gluon.jit
-    def _total(row_ptrs, like):
-        """What every program added into ``row_ptrs``, read by an atomic (L2's value, never a stale L1 line)."""
-        return gl.atomic_add(row_ptrs, gl.full(like.shape, 0.0, gl.float32, layout=like.type.layout), sem="acquire")
 
     @gluon.jit
     def _key_weight(key):
@@ -275,7 +233,7 @@ if gluon_sm90.available():
                                           RENORMALIZE, BLOCK_E)  # fmt: skip
         else:
             await_previous_kernel(DEPENDENT)  # the prepare launch routes the pairs: nothing to load before
-            expert = gl.minimum(gl.maximum(gl.load(topk_ids_ptr + pair), 0), num_experts - 1).to(gl.int64)
+            expert = expert_of(topk_ids_ptr, pair, num_experts)
         x_row = x_ptr + (pair if ROW_PER_PAIR else pair // TOP_K).to(gl.int64) * stride_x
         qw_e = qw_ptr + expert * stride_qw_e
         scales_e = scales_ptr + expert * stride_s_e
@@ -315,14 +273,16 @@ if gluon_sm90.available():
         if ROUTE:
             wait_for_previous_kernel(DEPENDENT)  # the scratch zeroed, the previous call's reads of it done
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_layout(gl.num_warps()))
+        n_ok = offs_n < N  # every row is (N is a multiple of 128): the split-K meeting's mask
         done = True
         if SPLIT_K:
             row = sums_ptr + pair.to(gl.int64) * 2 * N + offs_n
-            gl.atomic_add(row, gate, sem="relaxed")
-            done = _add_and_arrive(row + N, up, arrivals_ptr + pair * gl.num_programs(1) + pid_n, gl.num_programs(2))
+            gl.atomic_add(row, gate, mask=n_ok, sem="relaxed")
+            counter = arrivals_ptr + pair * gl.num_programs(1) + pid_n
+            done = split_k.add_and_arrive(row + N, up, n_ok, counter, gl.num_programs(2))
             if done:
-                gate = _total(row, gate)
-                up = _total(row + N, up)
+                gate = split_k.total(row, n_ok)
+                up = split_k.total(row + N, n_ok)
         if done:
             act = gate / (1.0 + gl.exp(-gate)) * up
             gl.store(inter_ptr + pair.to(gl.int64) * stride_inter + offs_n, act.to(DTYPE))
@@ -355,11 +315,7 @@ if gluon_sm90.available():
             expert, route_weight = _route_pair(logits_ptr, pair // TOP_K, pair, num_experts, stride_logits, TOP_K,
                                                RENORMALIZE, BLOCK_E)  # fmt: skip
         else:
-            if DEPENDENT:
-                expert = gl.load(topk_ids_ptr + pair, cache_modifier=".cg")
-            else:
-                expert = gl.load(topk_ids_ptr + pair)
-            expert = gl.minimum(gl.maximum(expert, 0), num_experts - 1).to(gl.int64)
+            expert = expert_of(topk_ids_ptr, pair, num_experts, DEPENDENT)
         n0 = pid_n * BLOCK_N
         w_ptrs, scale_ptrs, zero_ptrs, zero_rows = _projection_ptrs(qw_ptr + expert * stride_qw_e,
                                                                     scales_ptr + expert * stride_s_e,
@@ -389,13 +345,14 @@ if gluon_sm90.available():
         result = result * route_weight
         token = (pair // TOP_K).to(gl.int64)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_layout(gl.num_warps()))
+        n_ok = offs_n < N  # every row is (N is a multiple of 128): the split-K meeting's mask
         done = True
         if REDUCE:
             row = sums_ptr + token * N + offs_n
             counter = arrivals_ptr + token * gl.num_programs(1) + pid_n
-            done = _add_and_arrive(row, result, counter, TOP_K * gl.num_programs(2))
+            done = split_k.add_and_arrive(row, result, n_ok, counter, TOP_K * gl.num_programs(2))
             if done:
-                result = _total(row, result)
+                result = split_k.total(row, n_ok)
         if done:
             gl.store(out_ptr + token * stride_out + offs_n, result.to(DTYPE))
 

@@ -312,6 +312,15 @@ if available():
                        BLOCK_M: gl.constexpr, SCALE_AFTER: gl.constexpr):  # fmt: skip
         """Chunk ``4g + i`` of half-step words [rows, 8] as the [rows, 16] wgmma A operand (see module doc): exact
         ``q - zero`` with SCALE_AFTER (|q - zero| <= 15, exact in fp16 and bf16), else times the scale."""
+        weights = _dequant_pairs(words, i, scale2, bias2, odd2, IS_FP16, DTYPE, SCALE_AFTER)
+        return gl.convert_layout(weights, a_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
+
+    @gluon.jit
+    def _dequant_pairs(words, i: gl.constexpr, scale2, bias2, odd2, IS_FP16: gl.constexpr, DTYPE: gl.constexpr,
+                       SCALE_AFTER: gl.constexpr):  # fmt: skip
+        """:func:`_dequant_chunk` before its move to an MMA's operand layout: [rows, 16] in the words' layout, each
+        word's fp16x2 (bf16x2) as the two adjacent inputs it holds. Any MMA whose A fragment a thread's words already
+        are (wgmma's here, mma.sync m16n8k16's in kernels/decode_mma.py) takes it with a trivial conversion."""
         if IS_FP16:
             src = words if i < 2 else words >> 8
             if i % 2 == 0:
@@ -334,9 +343,7 @@ if available():
         lo, hi = gl.inline_asm_elementwise(
             asm, "=h,=h,r,r,r,r", [src, scale2, bias2, odd2], dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1
         )
-        pairs = gl.join(lo, hi)
-        weights = gl.reshape(pairs, [words.shape[0], 16])
-        return gl.convert_layout(weights, a_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
+        return gl.reshape(gl.join(lo, hi), [words.shape[0], 16])
 
     @gluon.jit
     def _step_words(w_stage, ROWS: gl.constexpr):

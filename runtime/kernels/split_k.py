@@ -46,7 +46,8 @@ def add_and_arrive(row_ptrs, values, mask, counter_ptr, expected):
 @triton.jit
 def total(row_ptrs, mask):
     """What every program added into ``row_ptrs``, read by an atomic (L2's value, never a stale L1 line)."""
-    return tl.atomic_add(row_ptrs, tl.zeros(mask.shape, tl.float32), mask=mask, sem="acquire")
+    zeros = tl.where(mask, 0.0, 0.0)  # shaped (and, in Gluon, laid out) as the mask
+    return tl.atomic_add(row_ptrs, zeros, mask=mask, sem="acquire")
 
 
 class DecodeScratch:
