@@ -68,16 +68,28 @@ def times_table(rows: list[dict], ours_name: str = "project") -> list[str]:
     return lines
 
 
+def launch_cost(launch: dict) -> float:
+    """What a launch adds to its call: its exposed time where the run recorded one (benchmarks/launch_profile.py;
+    with dependent launches a launch's span includes its wait on the one before), else its span."""
+    return launch.get("exposed_us", launch["us"])
+
+
+def launch_text(launch: dict) -> str:
+    """``name span`` (``xN`` for several launches a call), and the exposed part where it is less than the span."""
+    text = f"{launch['name']} {launch['us']:.1f}" + (f" x{launch['launches']:.0f}" if launch["launches"] > 1.01 else "")
+    return text + (f" ({launch_cost(launch):.1f} exposed)" if launch_cost(launch) < launch["us"] - 0.05 else "")
+
+
 def launches_table(rows: list[dict], variant: str = "project") -> list[str]:
-    """Per call: the total, the glue (every launch but the GEMMs) and its share, then every launch."""
+    """Per call: the total, the glue (what every launch but the GEMMs adds: :func:`launch_cost`) and its share,
+    then every launch."""
     lines = [f"| model | M | call | glue | glue % | launches ({variant}, us per call) |", "|---" * 6 + "|"]
     for r in rows:
         rec = ours_of(r, variant)
         if "launches" not in rec:
             continue
-        glue = sum(x["us"] for x in rec["launches"] if not is_gemm(x["name"]))
-        parts = "; ".join(f"{x['name']} {x['us']:.1f}" + (f" x{x['launches']:.0f}" if x["launches"] > 1.01 else "")
-                          for x in rec["launches"])  # fmt: skip
+        glue = sum(launch_cost(x) for x in rec["launches"] if not is_gemm(x["name"]))
+        parts = "; ".join(launch_text(x) for x in rec["launches"])
         lines.append(
             f"| {label(r)} | {r['M']} | {rec['us']:.1f} | {glue:.1f} | {100 * glue / rec['us']:.1f} | {parts} |"
         )

@@ -7,6 +7,11 @@ kernel work once missed that 69% of a call was one single-program kernel). Graph
 of a served layer; the profiler (CUPTI) still sees each kernel node of the graph. The call's own total comes
 from event timing without the profiler; the sum of the rows is GPU busy time, so total minus that sum is the
 gaps between launches.
+
+With dependent launches (KERNEL_NOTES.md item 33) a launch starts while the one before still runs and waits for it
+inside: the rows' spans overlap and their sum exceeds the call. Each row therefore also carries ``exposed_us``, the
+part of its spans no launch that started earlier still covers: what the call would lose without that launch's
+tail. Over a call the exposed times add up to its busy time, so they say which launch the call waits on.
 """
 
 from __future__ import annotations
@@ -52,17 +57,33 @@ def profile_graph(step, copies: int, replays: int = 10) -> list[dict]:
             graph.replay()
         torch.cuda.synchronize()
     calls = replays * copies
+    spans = [
+        (short_name(event.name), event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    del graph
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = short_name(event.name)
-        totals[name] += event.time_range.elapsed_us()
+    for name, start, end in spans:
+        totals[name] += end - start
         counts[name] += 1
-    del graph
-    rows = [dict(name=n, us=totals[n] / calls, launches=counts[n] / calls) for n in totals]
+    exposed = exposed_times(spans)
+    rows = [
+        dict(name=n, us=totals[n] / calls, launches=counts[n] / calls, exposed_us=exposed[n] / calls) for n in totals
+    ]
     return sorted(rows, key=lambda r: -r["us"])
+
+
+def exposed_times(spans: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per name, the summed part of its ``(name, start, end)`` spans that no span started earlier covers (ties in
+    start: the longer first). Dependent launches overlap their predecessor; this is the time each adds."""
+    exposed: dict[str, float] = defaultdict(float)
+    covered = float("-inf")
+    for name, start, end in sorted(spans, key=lambda span: (span[1], -span[2])):
+        exposed[name] += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    return exposed
 
 
 def breakdown(rows: list[dict], width: int = 4) -> str:

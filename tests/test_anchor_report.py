@@ -50,3 +50,19 @@ def test_variants_side_by_side_over_project(tmp_path, capsys):
     assert "| Qwen2-57B-A14B bf16 | 16 | 60.0 | 80.0 | - |" in out
     # the launch table is the named variant's: its one launch, no glue
     assert "| Qwen3-30B-A3B | 16 | 48.0 | 0.0 | 0.0 | _w13_ws_kernel 38.0 |" in out
+
+
+def test_overlapping_launches_are_counted_by_what_they_add(tmp_path, capsys):
+    """With dependent launches a launch's span includes its wait on the one before: the glue counts the exposed
+    part, and the launch shows both."""
+    launches = [dict(_launch("_w13_decode_kernel", 11.2), exposed_us=8.9), dict(_launch("_prepare_kernel", 5.3)),
+                dict(_launch("_w2_decode_kernel", 11.5), exposed_us=3.6)]  # fmt: skip
+    rows = [_row("Qwen3-30B-A3B", 1, "main", {"project": {"us": 17.9, "launches": launches}})]
+    path = tmp_path / "anchor_results.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    anchor_report.main([str(path), "--launches"])
+    out = capsys.readouterr().out
+    assert (
+        "| Qwen3-30B-A3B | 1 | 17.9 | 5.3 | 29.6 | _w13_decode_kernel 11.2 (8.9 exposed); _prepare_kernel 5.3; "
+        "_w2_decode_kernel 11.5 (3.6 exposed) |" in out
+    )

@@ -11,6 +11,11 @@ instructions a weight with the loads and the MMAs. Written in Gluon because the 
 shared memory with barriers, 3.4-3.5 instructions a weight; here every operand is loaded straight into the layout
 the MMA takes, and nothing goes through shared memory.
 
+Measured (benchmarks/KERNEL_NOTES.md item 39): correct in every case, and no faster than the CUDA-core decode at
+M = 1; that premise was wrong. Both issue the same 32 weight loads a thread a step, and a program's time is the
+latency of that chain, not its issue. So these kernels take no call by default (:data:`PREFERRED`); ``repack tune``
+still searches their tiles on Hopper.
+
 One program is one warp: one pair, ``BLOCK_N`` channels (w13: their gate and up rows; w2: ``BLOCK_N`` output rows)
 and one slice of K, as the CUDA-core decode. Per K step of 128 inputs:
 
@@ -364,16 +369,19 @@ if gluon_sm90.available():
 DTYPES = (torch.float16, torch.bfloat16)  # the activations these kernels take
 
 # Whether these kernels take the calls the CUDA-core decode would (its heuristic's, kernels/decode.py
-# ``Decode.heuristic``, and a tuned table's decode entries): off until they are measured beside the CUDA-core ones
-# on the GPU (the anchor's variant `project:decode_mma.PREFERRED=True`; KERNEL_NOTES.md item 37). The heuristic's
-# tile: channels a program, warps a program (each owns 16 of every 16 * warps rows) and K slices at up to 8 pairs
-# (the CUDA-core decode's decode.FEW_PAIRS_SPLIT, measured for a loop of twice the instructions: the anchor patches
-# them too).
+# ``Decode.heuristic``, and a tuned table's decode entries). Off: measured beside the CUDA-core decode (H100, same
+# process, benchmarks/RESULTS.md 2026-12-07 13:10 UTC; KERNEL_NOTES.md item 39) they are no faster where they were
+# meant to be, M = 1: Qwen3-30B 17.8 against 17.9 us, Qwen1.5-MoE 17.7 against 16.4, Qwen2-57B 58.2 against 56.4.
+# Half the instructions a weight do not shorten a program's chain of loads, which is what a decode program waits on.
+# `project:decode_mma.PREFERRED=True` runs them in the anchor. The heuristic's tile: channels a program, warps a
+# program (each owns 16 of every 16 * warps rows) and K slices at up to 8 pairs (the CUDA-core decode's
+# decode.FEW_PAIRS_SPLIT, measured for a loop of twice the instructions: the anchor patches them too).
 PREFERRED = False
 # Whether w13 and w2 route their pairs themselves when the call brings router logits (not act-order, whose rows the
 # prepare launch gathers by expert): the prepare launch then only zeroes the scratch, and w13 waits for it just
-# before its first write (the routing off the call's critical path; item 37). Off until measured (the anchor's
-# `project:decode_mma.PREFERRED=True;decode_mma.ROUTE_IN_GEMMS=True`).
+# before its first write (item 37). Off: slower in every cell it changed (same run: Qwen3-30B M = 1 20.1 against 17.8
+# us with the prepare launch routing, Qwen2-57B 69.7 against 58.2), each of w13's and w2's programs paying the routing
+# that one launch did once (`project:decode_mma.PREFERRED=True;decode_mma.ROUTE_IN_GEMMS=True`).
 ROUTE_IN_GEMMS = False
 BLOCK_N = 32
 WARPS = 1
