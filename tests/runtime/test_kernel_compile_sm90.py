@@ -108,14 +108,16 @@ def compile_config(cfg: KernelConfig, act: str, variant: str, mma_order: bool = 
             _compile(_w2_weight_major_kernel, types2, {**wm, **exact, "ATOMIC": atomic}, *launch)
     elif cfg.family is Family.DECODE:
         # The decode kernels read fp32 prepared activations and write w2's the same way (runtime/kernels/decode.py).
-        prepared = dict(types, xp_ptr="*fp32", inter_ptr="*fp32", scratch_ptr="*i32")
+        prepared = dict(types, xp_ptr="*fp32", inter_ptr="*fp32", scratch_ptr="*i32", w13_words_ptr="*i32",
+                        w2_words_ptr="*i32")  # fmt: skip
         # as launched on sm_90: dependent launches (kernels/backend.py dependent_launch)
         decode = dict(common, PREFETCH=cfg.prefetch, MMA_ORDER=mma_order, DEPENDENT=True, **tiles)
         split = cfg.split_k > 1
         w13 = _compile(_w13_decode_kernel, prepared, {**decode, "HAS_PERM": asym, "SPLIT_K": split}, *launch)
         w2 = _compile(_w2_decode_kernel, prepared, {**decode, "REDUCE": True}, *launch)
+        # without the L2 requests (tests/runtime/test_decode_l2.py compiles those)
         prepare = dict(TOP_K=8, BITS=4, HAS_PERM=asym, MMA_ORDER=mma_order, BLOCK_K=cfg.block_k, ZERO_BLOCK=256,
-                       DEPENDENT=True)  # fmt: skip
+                       ASK_L2=0, DEPENDENT=True)  # fmt: skip
         routing = dict(ROUTE=True, RENORMALIZE=True, BLOCK_E=128)  # routes in it, act-order stacks too
         field_major = dict(prepare, **routing, PREPARED="field_major")
         first = _compile(_prepare_kernel, dict(prepared, logits_ptr=ptr), field_major, 1, 1)
