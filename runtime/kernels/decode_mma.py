@@ -370,7 +370,7 @@ DTYPES = (torch.float16, torch.bfloat16)  # the activations these kernels take
 
 # Whether these kernels take the calls the CUDA-core decode would (its heuristic's, kernels/decode.py
 # ``Decode.heuristic``, and a tuned table's decode entries). Off: measured beside the CUDA-core decode (H100, same
-# process, benchmarks/RESULTS.md 2026-12-07 13:10 UTC; KERNEL_NOTES.md item 39) they are no faster where they were
+# process, benchmarks/RESULTS.md 2026-12-07 13:04 UTC; KERNEL_NOTES.md item 39) they are no faster where they were
 # meant to be, M = 1: Qwen3-30B 17.8 against 17.9 us, Qwen1.5-MoE 17.7 against 16.4, Qwen2-57B 58.2 against 56.4.
 # Half the instructions a weight do not shorten a program's chain of loads, which is what a decode program waits on.
 # `project:decode_mma.PREFERRED=True` runs them in the anchor. The heuristic's tile: channels a program, warps a
