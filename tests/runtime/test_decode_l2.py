@@ -16,7 +16,7 @@ import torch
 from repack.runtime.kernels import decode
 from tests.runtime.test_kernel_compile_sm90 import _compile
 from tests.support.sm90 import before_dependency_wait, ptxas_spills, run_compile_worker
-from tests.support.stacks import zero_stack
+from tests.support.stacks import gpu_random_stack, zero_stack
 
 CUDA = torch.device("cuda", 0)
 
@@ -68,18 +68,13 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="inline PTX: an NVIDIA GPU of compute capability 9.0 or later only")
-@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act-order"])
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "asym-act-order"])
 def test_on_the_gpu_asking_l2_changes_no_number(monkeypatch, act_order):
     """The decode call from router logits with and without the asking programs: the same bits (a prefetch writes
     nothing), ids and weights too."""
     from repack.runtime.fused_moe import routed_moe
-    from repack.runtime.tune import random_stack
 
-    stack = random_stack(8, 512, 256, 1)[0]
-    if act_order:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        perm = torch.stack([torch.randperm(512, device="cuda", generator=gen) for _ in range(8)]).to(torch.int32)
-        stack = replace(stack, w13_perm=perm)
+    stack = gpu_random_stack(act_order)  # act-order with asymmetric zeros
     config = dict(FAMILY="decode", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, SPLIT_K=4)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for m in (1, 3):

@@ -23,9 +23,8 @@ from repack.runtime.fused_moe import choose_family, fused_moe, heuristic_config
 from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels import decode, decode_mma, gluon_sm90, split_k
 from repack.runtime.kernels.family import Call
-from repack.runtime.weights import MoeWeights
 from tests.support.sm90 import before_dependency_wait, ptxas_spills
-from tests.support.stacks import zero_stack
+from tests.support.stacks import gpu_random_stack, zero_stack
 
 CPU = torch.device("cpu")
 MMA = dict(FAMILY="decode_mma", BLOCK_M=8, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, SPLIT_K=4)
@@ -213,20 +212,6 @@ def _hopper_with_gluon() -> bool:
     return torch.cuda.is_available() and gluon_sm90.runs_on(torch.device("cuda"))
 
 
-def _gpu_stack(asym_act_order: bool) -> MoeWeights:
-    """A random mma128 stack on the GPU (tune.random_stack's), with random zeros and act-order permutations when
-    asked."""
-    from repack.runtime.tune import random_stack
-
-    stack = random_stack(8, 512, 256, 1)[0]
-    if asym_act_order:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        zeros = lambda s: torch.randint(0, 16, s.shape, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
-        perm = torch.stack([torch.randperm(512, device="cuda", generator=gen) for _ in range(8)]).to(torch.int32)
-        stack = replace(stack, w13_zeros=zeros(stack.w13_scales), w2_zeros=zeros(stack.w2_scales), w13_perm=perm)
-    return stack
-
-
 @pytest.mark.skipif(not _hopper_with_gluon(), reason="Gluon kernels: a compute capability 9.0 GPU only")
 @pytest.mark.parametrize("asym_act_order", [False, True], ids=["sym", "asym-actorder"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -239,7 +224,7 @@ def test_on_hopper_the_tensor_core_decode_computes_what_the_cuda_core_one_does(m
     from repack.runtime.tune import DECODE_MMA_CONFIGS
 
     monkeypatch.setattr(decode_mma, "ROUTE_IN_GEMMS", route)
-    stack = _gpu_stack(asym_act_order)
+    stack = gpu_random_stack(asym_act_order)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for m in (1, 3):
         x = torch.randn(m, 512, device="cuda", generator=gen).to(dtype)

@@ -114,6 +114,22 @@ def zero_stack(
     )
 
 
+def gpu_random_stack(asym_act_order: bool) -> MoeWeights:
+    """A random mma128 stack of 8 experts (H 512, I 256) on the GPU (tune.random_stack's), with random zeros and
+    act-order permutations when asked: the Hopper-only kernel tests' stack."""
+    from dataclasses import replace
+
+    from repack.runtime.tune import random_stack
+
+    stack = random_stack(8, 512, 256, 1)[0]
+    if asym_act_order:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        zeros = lambda s: torch.randint(0, 16, s.shape, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
+        perm = torch.stack([torch.randperm(512, device="cuda", generator=gen) for _ in range(8)]).to(torch.int32)
+        stack = replace(stack, w13_zeros=zeros(stack.w13_scales), w2_zeros=zeros(stack.w2_scales), w13_perm=perm)
+    return stack
+
+
 def canonical(sources: list[Expert], scheme: GptqScheme) -> list[tuple]:
     """GPTQ source experts as the canonical linears the packer takes (what the GPTQ reader produces)."""
     return [tuple(canonical_from_gptq(linear, scheme) for linear in expert) for expert in sources]
