@@ -19,7 +19,7 @@ from repack.runtime.kernels.common import await_previous_kernel, dependent_launc
 
 BLOCK_H = 1024  # columns per program: 16-byte stores of eight fp16/bf16 per thread at 4 warps
 # Gather from the token's whole row staged in shared memory (``tl.gather``), one program per pair: every global load
-# and store coalesced, where the kernel above loads each of its columns on its own (eight 2-byte loads a thread into
+# and store coalesced, where `_gather_kernel` loads each of its columns on its own (eight 2-byte loads a thread into
 # a 7 KB row). Measured at Qwen2-57B act-order M = 256 (H100, same process, benchmarks/RESULTS.md 2026-12-07 13:04
 # UTC): the gather launch 19.0 -> 11.4 us, the call 551.0 -> 544.6; M = 16 4.8 -> 4.3 us. The per-column kernel stays
 # for the anchor's comparison (`project:act_order.GATHER_IN_SHARED=False`; KERNEL_NOTES.md item 38).
