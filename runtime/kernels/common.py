@@ -59,6 +59,18 @@ def expert_of(topk_ids_ptr, pair, num_experts, FROM_L2: tl.constexpr = False):
 
 
 @triton.jit
+def routing_weight(topk_weights_ptr, pair, FROM_L2: tl.constexpr = False):
+    """The pair's routing weight in fp32, loaded at the top of a w2 program (with :func:`expert_of`'s ``FROM_L2``
+    before its dependent-launch wait): loaded after the K loop it put one more L2 round trip on the end of every
+    program's chain, before the top-k sum's atomics (sm_90 SASS, KERNEL_NOTES.md item 41)."""
+    if FROM_L2:
+        weight = tl.load(topk_weights_ptr + pair, cache_modifier=".cg")
+    else:
+        weight = tl.load(topk_weights_ptr + pair)
+    return weight.to(tl.float32)
+
+
+@triton.jit
 def clamp_expert(expert, num_experts):
     """An expert id clamped into [0, E), as int64 (an offset into the stack)."""
     return tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)

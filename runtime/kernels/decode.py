@@ -40,6 +40,7 @@ from repack.runtime.kernels.common import (
     expert_of,
     projection_args,
     quant_params,
+    routing_weight,
     word_mask,
     word_rows,
 )
@@ -195,49 +196,11 @@ def _route_pair(logits_ptr, topk_weights_ptr, topk_ids_ptr, pair, token, num_exp
 
 
 @triton.jit
-def _ask_l2(words_ptr, num_words, piece, PIECES: tl.constexpr):
-    """Piece ``piece`` of ``PIECES`` of the ``num_words`` int32 words at ``words_ptr`` asked of L2, one 128-byte line
-    a lane per request (``prefetch.global.L2``: no register waits on it). Lines past the words ask for the first
-    line of the piece again rather than for memory the stack does not own. GPU only (inline PTX)."""
-    per_piece = tl.cdiv(num_words, PIECES)
-    start = piece * per_piece
-    end = tl.minimum(start + per_piece, num_words)
-    lines = tl.arange(0, 32) * 32  # 32 words (128 bytes) a lane: one warp
-    for first in range(start, end, 32 * 32):
-        at = first + lines
-        words = words_ptr + tl.where(at < end, at, start).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [words], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _ask_l2_for_pair(logits_ptr, topk_weights_ptr, topk_ids_ptr, w13_words_ptr, w2_words_ptr, row, j, num_experts,
-                     stride_logits, w13_words, w2_words, TOP_K: tl.constexpr, HAS_PERM: tl.constexpr,
-                     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                     PIECES: tl.constexpr):  # fmt: skip
-    """The prepare launch's extra program ``j`` of prepared row ``row``: piece ``j % PIECES`` of the w13 and w2 words
-    of the row's pair ``j // PIECES`` (a row is a pair under act-order, else a token of TOP_K pairs)."""
-    if HAS_PERM:
-        pair = row
-    else:
-        pair = row * TOP_K + j // PIECES
-    if ROUTE:  # its own routing of the pair; only the first K block's program stores ids (see _route_pair)
-        expert = _route_pair(logits_ptr, topk_weights_ptr, topk_ids_ptr, pair, pair // TOP_K, num_experts,
-                             stride_logits, TOP_K, RENORMALIZE, BLOCK_E).to(tl.int64)  # fmt: skip
-    else:
-        expert = expert_of(topk_ids_ptr, pair, num_experts).to(tl.int64)
-    _ask_l2(w13_words_ptr + expert * w13_words, w13_words, j % PIECES, PIECES)
-    _ask_l2(w2_words_ptr + expert * w2_words, w2_words, j % PIECES, PIECES)
-
-
-@triton.jit
 def _prepare_kernel(
     # pointers
     x_ptr, perm_ptr, topk_ids_ptr, xp_ptr, scratch_ptr, logits_ptr, topk_weights_ptr,
-    # the stack's words (:data:`ASK_L2_PIECES`)
-    w13_words_ptr, w2_words_ptr,
     # sizes and the activations' row stride
-    num_experts, K, k_pad, num_blocks, stride_x, scratch_len, zero_span, stride_logits, w13_words, w2_words,
+    num_experts, K, k_pad, stride_x, scratch_len, zero_span, stride_logits,
     # the stack and the tile
     TOP_K: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr, ZERO_BLOCK: tl.constexpr,
@@ -245,8 +208,6 @@ def _prepare_kernel(
     PREPARED: tl.constexpr,
     # routing in this launch
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-    # pieces of each pair's expert asked of L2 by programs of their own (0: none)
-    ASK_L2: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """One K block of one prepared row (a token, or a pair under act-order, whose expert's permutation gathers
@@ -257,18 +218,9 @@ def _prepare_kernel(
     first K block's program of each token also routes it (kernels/routing.py), so w13 finds its ids: routing
     costs decode no launch of its own. An act-order row needs its pair's expert before its first load, so there
     every program routes its token (a few hundred instructions on one row of logits, where a routing launch of
-    its own measured 4.5 us: benchmarks/RESULTS.md 2026-12-07 07:30 UTC) and the first K block's stores it.
-
-    With ASK_L2, programs past the K blocks (``num_blocks``) each route one pair again (storing nothing) and ask L2
-    for one piece of its expert's w13 and w2 words, so DRAM streams them while this launch ends and w13 waits."""
+    its own measured 4.5 us: benchmarks/RESULTS.md 2026-12-07 07:30 UTC) and the first K block's stores it."""
     await_previous_kernel(DEPENDENT)
     row = tl.program_id(0)
-    if ASK_L2 > 0:  # noqa: SIM102 (a constexpr: without it the branch is not compiled at all)
-        if tl.program_id(1) >= num_blocks:
-            _ask_l2_for_pair(logits_ptr, topk_weights_ptr, topk_ids_ptr, w13_words_ptr, w2_words_ptr, row,
-                             tl.program_id(1) - num_blocks, num_experts, stride_logits, w13_words, w2_words, TOP_K,
-                             HAS_PERM, ROUTE, RENORMALIZE, BLOCK_E, ASK_L2)  # fmt: skip
-            return
     k0 = tl.program_id(1) * BLOCK_K
     if ROUTE and not HAS_PERM:  # noqa: SIM102 (a constexpr: without it the routing is not compiled at all)
         if tl.program_id(1) == 0:
@@ -306,7 +258,7 @@ def _prepare_kernel(
         cols = tl.load(perm_ptr + perm_base + k, mask=k_ok, other=0) if HAS_PERM else k
         x = tl.load(x_ptr + token * stride_x + cols, mask=k_ok, other=0.0)
         tl.store(xp_ptr + row.to(tl.int64) * k_pad + k, x, mask=k_ok)
-    program = row * num_blocks + tl.program_id(1)
+    program = row * tl.num_programs(1) + tl.program_id(1)
     offs = tl.arange(0, ZERO_BLOCK)
     end = tl.minimum(scratch_len, (program + 1) * zero_span)
     for start in range(program * zero_span, end, ZERO_BLOCK):
@@ -387,13 +339,13 @@ def _w13_decode_kernel(
     up = tl.sum(acc_up, axis=1)
     done = True
     if SPLIT_K:
-        row = sums_ptr + pair.to(tl.int64) * 2 * N + offs_n
+        n_pad = tl.num_programs(1) * BLOCK_N  # the sums' rows hold whole tiles (split_k.DecodeScratch)
+        row = sums_ptr + pair.to(tl.int64) * 2 * n_pad + offs_n
         tl.atomic_add(row, gate, mask=n_mask, sem="relaxed")
         counter = arrivals_ptr + pair * tl.num_programs(1) + pid_n
-        done = split_k.add_and_arrive(row + N, up, n_mask, counter, tl.num_programs(2))
+        done = split_k.add_and_arrive(row + n_pad, up, n_mask, counter, tl.num_programs(2))
         if done:
-            gate = split_k.total(row, n_mask)
-            up = split_k.total(row + N, n_mask)
+            gate, up = split_k.totals(row, row + n_pad, n_mask)
     if done:
         act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE).to(tl.float32)
         slot, inverse = _field_major_slot(offs_n, BITS, MMA_ORDER, BLOCK_K)
@@ -421,11 +373,12 @@ def _w2_decode_kernel(
     With REDUCE (top-k > 1 or split-K) every program adds its share into the token's fp32 row and the last of
     the token's TOP_K * slices programs writes the row out in the activation dtype: no torch sum, no cast.
 
-    A dependent launch loads its first weight blocks while w13 still runs (the ids were written two launches
-    back, by the prepare launch, and are read from L2) and waits for w13 before its intermediate."""
+    A dependent launch loads its first weight blocks while w13 still runs (the ids and routing weights were written
+    two launches back, by the prepare launch, and are read from L2) and waits for w13 before its intermediate."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = expert_of(topk_ids_ptr, pair, num_experts, DEPENDENT)
+    route_weight = routing_weight(topk_weights_ptr, pair, DEPENDENT)
     VALS: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // VALS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -459,7 +412,7 @@ def _w2_decode_kernel(
         else:
             w_0, s_0, z_0 = w_n, s_n, z_n
         x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
-    result = tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    result = tl.sum(acc, axis=1) * route_weight
     token = (pair // TOP_K).to(tl.int64)
     done = True
     if REDUCE:
@@ -502,9 +455,7 @@ def prepare(
     blocks = k_pad // block_k
     zero_span = triton.cdiv(triton.cdiv(scratch.zeroed_len, rows * blocks), 256) * 256
     logits, renormalize = routing if routing is not None else (x, False)  # logits unread without ROUTE
-    pieces = l2_pieces(weights, x.device)
-    askers = pieces * (1 if has_perm else topk_ids.shape[1])  # extra programs a row: pieces of each of its pairs
-    _prepare_kernel[(rows, blocks + askers)](
+    _prepare_kernel[(rows, blocks)](
         x_ptr=x,
         perm_ptr=weights.w13_perm if has_perm else topk_ids,
         topk_ids_ptr=topk_ids,
@@ -512,18 +463,13 @@ def prepare(
         scratch_ptr=scratch.buffer,
         logits_ptr=logits,
         topk_weights_ptr=topk_weights,
-        w13_words_ptr=weights.w13_qweight,
-        w2_words_ptr=weights.w2_qweight,
         num_experts=weights.num_experts,
         K=h,
         k_pad=k_pad,
-        num_blocks=blocks,
         scratch_len=scratch.zeroed_len,
         zero_span=zero_span,
         stride_x=x.stride(0),
         stride_logits=logits.stride(0),
-        w13_words=weights.w13_qweight.stride(0),
-        w2_words=weights.w2_qweight.stride(0),
         TOP_K=topk_ids.shape[1],
         BITS=weights.bits,
         HAS_PERM=has_perm,
@@ -534,25 +480,10 @@ def prepare(
         ROUTE=routing is not None,
         RENORMALIZE=renormalize,
         BLOCK_E=triton.next_power_of_2(weights.num_experts),
-        ASK_L2=pieces,
         num_warps=1,
         **dependent_launches(x.device),
     )
     return xp
-
-
-# Pieces of every pair's expert (its w13 and w2 words) the prepare launch asks L2 for, each from a program of its own
-# that routes the pair again, so DRAM streams the call's weights while that launch ends and w13 waits for it
-# (KERNEL_NOTES.md item 40). 0: none. Not measured yet: the anchor's `project:decode.ASK_L2_PIECES=32`.
-ASK_L2_PIECES = 0
-
-
-def l2_pieces(weights: MoeWeights, device: torch.device) -> int:
-    """:data:`ASK_L2_PIECES` where it can run: an NVIDIA GPU (inline PTX; never the interpreter) and words whose
-    experts are each one contiguous run (every stack the loader makes: [E, ...] contiguous)."""
-    on_nvidia = device.type == "cuda" and torch.version.hip is None
-    contiguous = weights.w13_qweight.is_contiguous() and weights.w2_qweight.is_contiguous()
-    return ASK_L2_PIECES if on_nvidia and contiguous else 0
 
 
 def launch(
@@ -579,7 +510,8 @@ def launch(
     per_slice2, slices2 = split_k.k_slices(n_inter, block_k, config.split_k)
     tiles13, tiles2 = triton.cdiv(n_inter, block_n), triton.cdiv(h, block_n)
     reduce2 = top_k * slices2 > 1
-    scratch = split_k.DecodeScratch(m, num_pairs, h, n_inter, block_k, tiles13, tiles2, slices13 > 1, reduce2, x.device)
+    scratch = split_k.DecodeScratch(m, num_pairs, h, n_inter, block_k, tiles13, tiles2, block_n, slices13 > 1, reduce2,
+                                    x.device)  # fmt: skip
     xp = prepare(x, weights, topk_ids, topk_weights, scratch, "field_major", block_k, routing)
     k_pad = xp.shape[1]
     order = dict(MMA_ORDER=weights.mma_order, BLOCK_K=block_k)

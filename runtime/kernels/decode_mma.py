@@ -49,6 +49,7 @@ from repack.runtime.kernels.common import (
     expert_of,
     projection_args,
     release_dependents,
+    routing_weight,
     wait_for_previous_kernel,
     word_rows,
 )
@@ -281,13 +282,13 @@ if gluon_sm90.available():
         n_ok = offs_n < N  # every row is (N is a multiple of 128): the split-K meeting's mask
         done = True
         if SPLIT_K:
-            row = sums_ptr + pair.to(gl.int64) * 2 * N + offs_n
+            n_pad = gl.num_programs(1) * BLOCK_N  # the sums' rows hold whole tiles (split_k.DecodeScratch)
+            row = sums_ptr + pair.to(gl.int64) * 2 * n_pad + offs_n
             gl.atomic_add(row, gate, mask=n_ok, sem="relaxed")
             counter = arrivals_ptr + pair * gl.num_programs(1) + pid_n
-            done = split_k.add_and_arrive(row + N, up, n_ok, counter, gl.num_programs(2))
+            done = split_k.add_and_arrive(row + n_pad, up, n_ok, counter, gl.num_programs(2))
             if done:
-                gate = split_k.total(row, n_ok)
-                up = split_k.total(row + N, n_ok)
+                gate, up = split_k.totals(row, row + n_pad, n_ok)
         if done:
             act = gate / (1.0 + gl.exp(-gate)) * up
             gl.store(inter_ptr + pair.to(gl.int64) * stride_inter + offs_n, act.to(DTYPE))
@@ -321,6 +322,7 @@ if gluon_sm90.available():
                                                RENORMALIZE, BLOCK_E)  # fmt: skip
         else:
             expert = expert_of(topk_ids_ptr, pair, num_experts, DEPENDENT)
+            route_weight = routing_weight(topk_weights_ptr, pair, DEPENDENT)
         n0 = pid_n * BLOCK_N
         w_ptrs, scale_ptrs, zero_ptrs, zero_rows = _projection_ptrs(qw_ptr + expert * stride_qw_e,
                                                                     scales_ptr + expert * stride_s_e,
@@ -344,10 +346,7 @@ if gluon_sm90.available():
                 part = _mma_chunk(part, low if c < 4 else high, c, bias2, odd2, b, IS_FP16, DTYPE)
             acc += part * scale
             low, high = next_low, next_high
-        result = _token_column(acc)
-        if not ROUTE:
-            route_weight = gl.load(topk_weights_ptr + pair).to(gl.float32)
-        result = result * route_weight
+        result = _token_column(acc) * route_weight
         token = (pair // TOP_K).to(gl.int64)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_layout(gl.num_warps()))
         n_ok = offs_n < N  # every row is (N is a multiple of 128): the split-K meeting's mask
@@ -408,8 +407,8 @@ def launch(
     per_slice2, slices2 = split_k.k_slices(n_inter, STEP_K, config.split_k)
     tiles13, tiles2 = n_inter // block_n, h // block_n
     reduce2 = top_k * slices2 > 1
-    scratch = split_k.DecodeScratch(m, num_pairs, h, n_inter, STEP_K, tiles13, tiles2, slices13 > 1, reduce2, x.device,
-                                    inter_dtype=x.dtype)  # fmt: skip
+    scratch = split_k.DecodeScratch(m, num_pairs, h, n_inter, STEP_K, tiles13, tiles2, block_n, slices13 > 1, reduce2,
+                                    x.device, inter_dtype=x.dtype)  # fmt: skip
     act_order = weights.w13_perm is not None
     route = ROUTE_IN_GEMMS and routing is not None and not act_order
     rows = decode.prepare(x, weights, topk_ids, topk_weights, scratch, "rows" if act_order else "none", STEP_K,

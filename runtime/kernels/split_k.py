@@ -50,12 +50,23 @@ def total(row_ptrs, mask):
     return tl.atomic_add(row_ptrs, zeros, mask=mask, sem="acquire")
 
 
+@triton.jit
+def totals(gate_ptrs, up_ptrs, mask):
+    """:func:`total` of two rows (w13's gate and up), both read unmasked: a masked atomic is a branch of its own,
+    and ptxas scheduled the first total's use before the second atomic, two L2 round trips where one does
+    (KERNEL_NOTES.md item 41). The rows hold whole channel tiles (:class:`DecodeScratch`), so every lane's address
+    is the scratch's; the lanes past N read zeros nobody adds to."""
+    zeros = tl.where(mask, 0.0, 0.0)  # shaped (and, in Gluon, laid out) as the mask
+    return tl.atomic_add(gate_ptrs, zeros, sem="acquire"), tl.atomic_add(up_ptrs, zeros, sem="acquire")
+
+
 class DecodeScratch:
     """The fp32/int32 buffers one decode call needs, carved from one allocation the prepare launch zeroes.
 
     ``inter`` (w2's input, ``inter_dtype``: the CUDA-core decode's prepared fp32, the tensor-core decode's
     activation dtype) is inside the zeroed region only when I is not a multiple of BLOCK_K: its padding must read
-    as 0, everything else in it is written by w13."""
+    as 0, everything else in it is written by w13. w13's sums are ``[pair, gate/up, tiles13 x block_n]``: rows of
+    whole channel tiles, so the last arriver reads its totals unmasked (:func:`totals`)."""
 
     def __init__(
         self,
@@ -66,6 +77,7 @@ class DecodeScratch:
         block_k: int,
         tiles13: int,
         tiles2: int,
+        block_n: int,  # w13's channels a program (its tiles13 tiles cover I)
         split13: bool,
         reduce2: bool,
         device,
@@ -76,7 +88,7 @@ class DecodeScratch:
         sizes = {  # int32 words
             "out_sums": m * h if reduce2 else 1,
             "out_arrivals": m * tiles2 if reduce2 else 1,
-            "gate_up_sums": pairs * 2 * i if split13 else 1,
+            "gate_up_sums": pairs * 2 * tiles13 * block_n if split13 else 1,
             "gate_up_arrivals": pairs * tiles13 if split13 else 1,
             "inter": triton.cdiv(inter_bytes, 4),
         }

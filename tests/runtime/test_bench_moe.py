@@ -10,6 +10,7 @@ from benchmarks.launch_profile import short_name
 from repack.formats.stacks import choose_word_order, words_shape
 from repack.runtime.moe_block import JOINED, SEPARATE
 from repack.runtime.weights import MoeWeights
+from tests.support.stacks import on_device
 
 TINY = bench_moe.Case("tiny", experts=4, top_k=2, hidden=128, inter=128, shared_chunks=2)
 
@@ -32,7 +33,7 @@ def random_cpu_stack(case: bench_moe.Case, seed: int = 0) -> MoeWeights:
 def test_blocks_of_both_modes_agree_with_the_float32_reference(device):
     torch.manual_seed(0)
     stack = random_cpu_stack(TINY)
-    stack = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(stack).items()})
+    stack = on_device(stack, device)
     gate = (torch.randn(1, TINY.hidden) * 0.05).half().to(device)
     blocks = bench_moe.make_blocks(TINY, stack, gate)
     assert blocks[JOINED].joined.w13_qweight.data_ptr() == stack.w13_qweight.data_ptr()  # a view, as loaded

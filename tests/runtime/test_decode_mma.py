@@ -24,7 +24,7 @@ from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels import decode, decode_mma, gluon_sm90, split_k
 from repack.runtime.kernels.family import Call
 from tests.support.sm90 import before_dependency_wait, ptxas_spills
-from tests.support.stacks import gpu_random_stack, zero_stack
+from tests.support.stacks import gpu_random_stack, on_device, zero_stack
 
 CPU = torch.device("cpu")
 MMA = dict(FAMILY="decode_mma", BLOCK_M=8, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1, SPLIT_K=4)
@@ -91,7 +91,7 @@ def test_the_heuristic_takes_the_decode_calls_only_once_preferred(sm90, monkeypa
     assert decode_mma.FAMILY.heuristic(Call(zero_stack(word_order="gptq"), CPU, torch.float16, 8)) is None
 
 
-def test_the_prepare_launch_gathers_each_act_order_pair_row_and_zeroes_the_scratch():
+def test_the_prepare_launch_gathers_each_act_order_pair_row_and_zeroes_the_scratch(device):
     """What decode_mma reads for an act-order stack: one row a pair, x's columns through its expert's permutation,
     in the activation dtype; the scratch zeroed."""
     torch.manual_seed(1)
@@ -101,15 +101,19 @@ def test_the_prepare_launch_gathers_each_act_order_pair_row_and_zeroes_the_scrat
     x = torch.randn(2, k, dtype=torch.float16)
     ids = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
     weights = torch.ones(2, 2)
-    scratch = split_k.DecodeScratch(2, 4, k, stack.intermediate_size, 128, 2, 2, True, True, CPU, torch.float16)
+    on = {name: t.to(device) for name, t in dict(x=x, ids=ids, weights=weights).items()}
+    stack = on_device(stack, device)
+    scratch = split_k.DecodeScratch(2, 4, k, stack.intermediate_size, 128, 2, 2, 64, True, True, torch.device(device),
+                                    torch.float16)  # fmt: skip
     scratch.buffer.fill_(7)
-    rows = decode.prepare(x, stack, ids, weights, scratch, "rows", 128, None)
+    rows = decode.prepare(on["x"], stack, on["ids"], on["weights"], scratch, "rows", 128, None).cpu()
     assert rows.dtype == torch.float16 and rows.shape == (4, k)
     for pair in range(4):
         token, expert = pair // 2, int(ids.flatten()[pair])
-        assert torch.equal(rows[pair], x[token, stack.w13_perm[expert].long()])
+        assert torch.equal(rows[pair], x[token, stack.w13_perm[expert].long().cpu()])
     assert not scratch.buffer[: scratch.zeroed_len].any()
-    assert decode.prepare(x, zero_stack(), ids, weights, scratch, "none", 128, None) is None
+    plain = on_device(zero_stack(), device)
+    assert decode.prepare(on["x"], plain, on["ids"], on["weights"], scratch, "none", 128, None) is None
 
 
 _CHILD = r"""
@@ -204,8 +208,8 @@ def test_the_kernels_compile_for_sm90_with_every_operand_in_registers(act, asym,
             assert before["l2_loads"] == logits + x and before["loads"] > before["l2_loads"], (where, before)
         elif name == "w13":  # the prepare launch routes: nothing before the wait
             assert before == {"waits": 1, "loads": 0, "l2_loads": 0, "writes": 0}, where
-        else:  # the first step's words and the pair's id (past L1) while w13 runs
-            assert before["l2_loads"] == 1 and before["loads"] > 1, (where, before)
+        else:  # the first step's words, the pair's id and routing weight (past L1) while w13 runs
+            assert before["l2_loads"] == 2 and before["loads"] > 2, (where, before)
 
 
 def _hopper_with_gluon() -> bool:

@@ -13,7 +13,7 @@ from repack.formats.errors import RepackError
 from repack.formats.gptq import GptqScheme, dequantize
 from repack.runtime.fused_moe import fused_moe
 from repack.runtime.weights import MoeWeights
-from tests.support.stacks import Expert, make_stack
+from tests.support.stacks import Expert, make_stack, on_device
 
 
 def reference(x: torch.Tensor, sources: list[Expert], scheme, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -52,9 +52,7 @@ def run_case(weights, sources, scheme, m, top_k, allowed, config, device, seed):
     x = (torch.randn(m, weights.hidden_size, generator=gen)).to(torch.float16)
     ids, route_w = random_routing(m, top_k, allowed, gen)
     out = torch.full((m, weights.hidden_size), float("nan"), dtype=torch.float16, device=device)
-    dev_weights = MoeWeights(
-        **{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(weights).items()}
-    )
+    dev_weights = on_device(weights, device)
     got = fused_moe(x.to(device), dev_weights, ids.to(device), route_w.to(device), config=config, out=out)
     assert got is out and got.dtype == torch.float16
     return relative_error(got.cpu(), reference(x, sources, scheme, ids, route_w))
@@ -94,7 +92,7 @@ def test_reduce_out_falls_back_to_fp32_atomics_where_it_cannot_run(device):
     the tl kernels, which keep a config's REDUCE; the Gluon path takes its heuristic's with its tile)."""
     scheme = GptqScheme(4, 128, True, "gptq")
     weights, _ = make_stack(4, 256, 128, scheme, word_order="mma128")
-    weights = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
+    weights = on_device(weights, device)
     gen = torch.Generator().manual_seed(12)
     ids = torch.randint(0, 4, (6, 2), generator=gen).to(torch.int32).to(device)
     route_w = torch.rand(6, 2, generator=gen).to(device)
@@ -281,7 +279,7 @@ def test_shared_expert_as_chunks_with_sigmoid_gate(device):
     ids = torch.arange(2, dtype=torch.int32).expand(m, 2)
     out = torch.full((m, 128), float("nan"), dtype=torch.float16)
     dev = lambda t: t.to(device)  # noqa: E731
-    dev_weights = MoeWeights(**{k: (dev(v) if isinstance(v, torch.Tensor) else v) for k, v in vars(weights).items()})
+    dev_weights = on_device(weights, device)
     got = fused_moe(dev(x), dev_weights, dev(ids), dev(gate_w[:, None].expand(m, 2)), config=BIG, out=dev(out))
     assert relative_error(got.cpu(), chunked_reference(x, sources[0], scheme, gate_w)) <= 2e-3
 
@@ -330,7 +328,7 @@ def test_an_out_of_range_expert_id_only_affects_its_own_token(device, direct):
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
     w = torch.rand(3, 2, generator=gen)
     config = dict(BIG, BLOCK_M=16, BLOCK_K=64, DIRECT=direct)
-    dev = MoeWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(weights).items()})
+    dev = on_device(weights, device)
     good = fused_moe(x, dev, ids.to(device), w.to(device), config=dict(config))
     bad_ids = ids.clone()
     bad_ids[2] = torch.tensor([4, 7], dtype=torch.int32)
@@ -340,12 +338,13 @@ def test_an_out_of_range_expert_id_only_affects_its_own_token(device, direct):
 
 @pytest.mark.parametrize(
     ("word_order", "h", "i", "group", "split_k"),
-    [("gptq", 320, 128, 32, 3), ("mma128", 384, 256, 128, 2)],
-    ids=["gptq-uneven-slices", "mma128"],
+    [("gptq", 320, 128, 32, 3), ("gptq", 320, 160, 32, 3), ("mma128", 384, 256, 128, 2)],
+    ids=["gptq-uneven-slices", "gptq-last-tile-short", "mma128"],
 )
 def test_split_k_decode(device, word_order, h, i, group, split_k):
     """Split-K decode: K cut into slices of whole blocks (the last one shorter), w13's slices meet in the fp32
-    workspace and the last to arrive applies SiLU; w2's add into the fp32 output."""
+    workspace and the last to arrive applies SiLU; w2's add into the fp32 output. I = 160 leaves w13's last
+    64-channel tile half past I: its last arrivers read the padded sums' lanes past I too (split_k.totals)."""
     scheme = GptqScheme(4, group, False, "gptq")
     weights, sources = make_stack(4, h, i, scheme, act_order=True, word_order=word_order)
     config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=2, num_stages=1, DIRECT=True,
@@ -376,8 +375,7 @@ def test_tiled_words_run_bit_for_bit_as_their_rows(device, name):
     x = torch.randn(3, 384, generator=gen).to(torch.float16)
     ids, route_w = random_routing(3, 2, [0, 1, 3], gen)
     outs = [
-        fused_moe(x.to(device), MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
-                                             for k, v in vars(stack).items()}),
+        fused_moe(x.to(device), on_device(stack, device),
                   ids.to(device), route_w.to(device), config=dict(TILED_CONFIGS[name])).cpu()
         for stack in (rows, tiles)
     ]  # fmt: skip
@@ -426,7 +424,7 @@ def test_routed_moe_is_route_then_fused_moe(device, m, top_k, config, act_order)
 
     scheme = GptqScheme(4, 128, True, "gptq")
     weights, _ = make_stack(6, 256, 128, scheme, word_order="mma128", act_order=act_order)
-    weights = MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(weights).items()})
+    weights = on_device(weights, device)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 256, generator=gen).to(torch.float16).to(device)
     logits = torch.randn(m, 6, generator=gen).to(device)

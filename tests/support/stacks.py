@@ -114,6 +114,11 @@ def zero_stack(
     )
 
 
+def on_device(stack: MoeWeights, device: str | torch.device) -> MoeWeights:
+    """``stack`` with every tensor moved to ``device`` (the tests' ``device`` fixture: the GPU when present)."""
+    return MoeWeights(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(stack).items()})
+
+
 def gpu_random_stack(asym_act_order: bool) -> MoeWeights:
     """A random mma128 stack of 8 experts (H 512, I 256) on the GPU (tune.random_stack's), with random zeros and
     act-order permutations when asked: the Hopper-only kernel tests' stack."""
