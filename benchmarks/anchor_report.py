@@ -6,7 +6,8 @@ Prints ours/Marlin per model and M (below 1: we are faster), each cell's times, 
 every call's time goes (runs made through benchmarks/anchor_run.py: torch.profiler over the graph replay), so a
 change can be predicted against the row it should move. ``--ours`` takes another of the run's project variants
 (``project:NAME=VALUE``, anchor_run.py) as ours, where a cell has it; ``--variants`` adds every variant of every
-cell side by side, each over ``project``. What RESULTS.md records comes from here.
+cell side by side, each over ``project`` (with ``--launches``, each project variant's launches too, in the cells that
+ran it: the row a variant was meant to move). What RESULTS.md records comes from here.
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def launches_table(rows: list[dict], variant: str = "project") -> list[str]:
     return lines
 
 
+def project_variants(rows: list[dict]) -> list[str]:
+    """The run's project variants ("project" and every ``project:NAME=VALUE``), in the order the run named them."""
+    return [n for n in dict.fromkeys(n for r in rows for n in r["variants"]) if n.startswith("project")]
+
+
 def variants_table(rows: list[dict]) -> list[str]:
     """Every variant of every cell, microseconds, each project variant also over ``project`` (the same process)."""
     names = list(dict.fromkeys(n for r in rows for n in r["variants"]))
@@ -125,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         out += [""] + launches_table(rows, args.ours) + [""] + launches_table(rows, "marlin")
     if args.variants:
         out += [""] + variants_table(rows)
+        if args.launches:
+            for name in project_variants(rows):
+                if name != args.ours:
+                    out += [""] + launches_table([r for r in rows if name in r["variants"]], name)
     print("\n".join(out))
 
 

@@ -50,6 +50,17 @@ def test_variants_side_by_side_over_project(tmp_path, capsys):
     assert "| Qwen2-57B-A14B bf16 | 16 | 60.0 | 80.0 | - |" in out
     # the launch table is the named variant's: its one launch, no glue
     assert "| Qwen3-30B-A3B | 16 | 48.0 | 0.0 | 0.0 | _w13_ws_kernel 38.0 |" in out
+    # and project's beside it, in every cell (the variant's other project variant here)
+    assert "launches (project, us per call)" in out
+    assert "| Qwen2-57B-A14B bf16 | 16 | 60.0 | 5.0 | 8.3 | _w13_ws_kernel 40.0; _count_kernel 5.0 |" in out
+
+
+def test_each_project_variants_launches_only_in_the_cells_that_ran_it(tmp_path, capsys):
+    anchor_report.main([str(_results(tmp_path)), "--variants", "--launches"])
+    out = capsys.readouterr().out
+    table = out[out.index(f"launches ({VARIANT}, us per call)") :].split("\n\n")[0]
+    assert "| Qwen3-30B-A3B | 16 | 48.0 | 0.0 | 0.0 | _w13_ws_kernel 38.0 |" in table
+    assert "Qwen2-57B-A14B" not in table  # the bf16 cell did not run the variant: no fallback row
 
 
 def test_overlapping_launches_are_counted_by_what_they_add(tmp_path, capsys):
