@@ -47,27 +47,29 @@ def wait_for_previous_kernel(DEPENDENT: tl.constexpr):
 
 
 @triton.jit
-def expert_of(topk_ids_ptr, pair, num_experts, FROM_L2: tl.constexpr = False):
-    """The pair's expert, clamped into the stack: a bad id (NaN router logits) must not read past the weights.
-    FROM_L2: read past the SM's L1 (``.cg``), for a dependent launch reading ids a kernel two launches back wrote
-    before it waits (that kernel had ended when the one between them passed its own wait)."""
+def pair_value(ptr, pair, FROM_L2: tl.constexpr = False):
+    """``ptr[pair]``; FROM_L2: read past the SM's L1 (``.cg``), for a dependent launch reading what a kernel two
+    launches back wrote before it waits (that kernel had ended when the one between them passed its own wait)."""
     if FROM_L2:
-        expert = tl.load(topk_ids_ptr + pair, cache_modifier=".cg")
+        value = tl.load(ptr + pair, cache_modifier=".cg")
     else:
-        expert = tl.load(topk_ids_ptr + pair)
-    return clamp_expert(expert, num_experts)
+        value = tl.load(ptr + pair)
+    return value
+
+
+@triton.jit
+def expert_of(topk_ids_ptr, pair, num_experts, FROM_L2: tl.constexpr = False):
+    """The pair's expert (:func:`pair_value`), clamped into the stack: a bad id (NaN router logits) must not read
+    past the weights."""
+    return clamp_expert(pair_value(topk_ids_ptr, pair, FROM_L2), num_experts)
 
 
 @triton.jit
 def routing_weight(topk_weights_ptr, pair, FROM_L2: tl.constexpr = False):
-    """The pair's routing weight in fp32, loaded at the top of a w2 program (with :func:`expert_of`'s ``FROM_L2``
+    """The pair's routing weight in fp32 (:func:`pair_value`), loaded at the top of a w2 program (with ``FROM_L2``
     before its dependent-launch wait): loaded after the K loop it put one more L2 round trip on the end of every
     program's chain, before the top-k sum's atomics (sm_90 SASS, KERNEL_NOTES.md item 41)."""
-    if FROM_L2:
-        weight = tl.load(topk_weights_ptr + pair, cache_modifier=".cg")
-    else:
-        weight = tl.load(topk_weights_ptr + pair)
-    return weight.to(tl.float32)
+    return pair_value(topk_weights_ptr, pair, FROM_L2).to(tl.float32)
 
 
 @triton.jit
