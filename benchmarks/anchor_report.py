@@ -1,13 +1,14 @@
 """Markdown tables of one same-process run against Marlin (../shared/bench-marlin's anchor_results.json).
 
-    python benchmarks/anchor_report.py RESULTS.json [--launches] [--ours VARIANT] [--variants]
+    python benchmarks/anchor_report.py RESULTS.json [--launches] [--ours VARIANT] [--variants] [--targets]
 
 Prints ours/Marlin per model and M (below 1: we are faster), each cell's times, and with ``--launches`` where
 every call's time goes (runs made through benchmarks/anchor_run.py: torch.profiler over the graph replay), so a
 change can be predicted against the row it should move. ``--ours`` takes another of the run's project variants
 (``project:NAME=VALUE``, anchor_run.py) as ours, where a cell has it; ``--variants`` adds every variant of every
 cell side by side, each over ``project`` (with ``--launches``, each project variant's launches too, in the cells that
-ran it: the row a variant was meant to move). What RESULTS.md records comes from here.
+ran it: the row a variant was meant to move); ``--targets`` checks every cell against issues 17 and 18's targets
+(:func:`targets_table`). What RESULTS.md records comes from here.
 """
 
 from __future__ import annotations
@@ -117,12 +118,87 @@ def variants_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+# Issues 17 and 18's targets, as :func:`targets_table` checks them.
+GLUE_SHARE_FROM_M64 = 0.05  # route + align + top-k sum (every non-GEMM launch) at most 5% of the call, M >= 64
+GLUE_US_TO_M16 = 5.0  # ... and at most 5 us, M <= 16
+FLOOR_FACTOR, FLOOR_SLACK_US = 1.25, 5.0  # M <= 64: the call within 1.25 x the HBM floor + 5 us
+PREFILL_M = 1024  # from this M: each GEMM's rate, and the call against vLLM's fp16 Triton where the run timed it
+TFLOPS_LONG_K, TFLOPS_SHORT_K, LONG_K = 550.0, 450.0, 2048  # TFLOP/s a GEMM reaches: K >= 2048 / K < 2048
+EXTRA_OVER_FP16 = 1.05  # bf16 and act-order within 5% of the same cell's plain fp16 call
+
+
+def gemm_tflops(row: dict, record: dict) -> dict[str, float]:
+    """TFLOP/s of w13 (K = H) and w2 (K = I) over what each adds to the call (:func:`launch_cost`):
+    2 x pairs x (2I x H) and 2 x pairs x (H x I) flops."""
+    rates = {}
+    for gemm, per_pair in (("w13", 4.0), ("w2", 2.0)):
+        us = sum(launch_cost(x) for x in record.get("launches", []) if f"_{gemm}" in x["name"])
+        if us > 0:
+            rates[gemm] = per_pair * row["M"] * row["top_k"] * row["I"] * row["H"] / us / 1e6
+    return rates
+
+
+def cell_targets(row: dict, record: dict, fp16_us: float | None) -> list[tuple[str, bool, str]]:
+    """(target, met, what was measured) for one cell of the run: faster than Marlin everywhere; M <= 16 and
+    M >= 64 glue (issue 17); M <= 64 floor, M >= 1024 GEMM rates and the call against vLLM's fp16 Triton, and
+    bf16 / act-order over plain fp16 (issue 18)."""
+    m, us, variants = row["M"], record["us"], row["variants"]
+    checks = []
+    marlin = variants.get("marlin", {}).get("us")
+    if marlin:
+        checks.append(("< Marlin", us < marlin, f"{us / marlin:.2f}"))
+    if "launches" in record:
+        glue = sum(launch_cost(x) for x in record["launches"] if not is_gemm(x["name"]))
+        if m <= 16:
+            checks.append((f"glue <= {GLUE_US_TO_M16:g} us", glue <= GLUE_US_TO_M16, f"{glue:.1f} us"))
+        if m >= 64:
+            share = glue / us
+            checks.append((f"glue <= {GLUE_SHARE_FROM_M64:.0%}", share <= GLUE_SHARE_FROM_M64, f"{share:.1%}"))
+    if m <= 64 and row.get("floor_us"):
+        bound = FLOOR_FACTOR * row["floor_us"] + FLOOR_SLACK_US
+        checks.append((f"<= {FLOOR_FACTOR:g} floor + {FLOOR_SLACK_US:g}", us <= bound, f"{us:.1f} for {bound:.1f}"))
+    if m >= PREFILL_M:
+        for gemm, rate in gemm_tflops(row, record).items():
+            k = row["H"] if gemm == "w13" else row["I"]
+            need = TFLOPS_LONG_K if k >= LONG_K else TFLOPS_SHORT_K
+            checks.append((f"{gemm} TFLOP/s", rate >= need, f"{rate:.0f} for {need:.0f}"))
+        fp16_triton = variants.get("triton_fp16", {}).get("us")
+        if fp16_triton:
+            checks.append(("< fp16 Triton", us < fp16_triton, f"{us / fp16_triton:.2f}"))
+    if row["tag"] != "main" and fp16_us:
+        over = us / fp16_us
+        checks.append((f"<= {EXTRA_OVER_FP16:g} x fp16", over <= EXTRA_OVER_FP16, f"{over:.3f}"))
+    return checks
+
+
+def targets_table(rows: list[dict], ours_name: str = "project") -> list[str]:
+    """Every cell against every target that applies to it (:func:`cell_targets`), then the misses per target:
+    what a run shows of issues 17 and 18 without arithmetic by hand. The targets are the H200's; the table says
+    where a run on another GPU stands."""
+    fp16 = {(r["model"], r["M"]): ours_of(r, ours_name).get("us") for r in rows if r["tag"] == "main"}
+    lines = ["| model | M | targets (MISSED in capitals) |", "|---|---|---|"]
+    met: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in rows:
+        record = ours_of(r, ours_name)
+        if "us" not in record:
+            continue
+        checks = cell_targets(r, record, fp16.get((r["model"], r["M"])))
+        for name, ok, _ in checks:
+            met[name][0 if ok else 1] += 1
+        text = "; ".join(f"{name} {seen}" if ok else f"MISSED {name} {seen}" for name, ok, seen in checks)
+        lines.append(f"| {label(r)} | {r['M']} | {text} |")
+    lines += ["", "| target | met | missed |", "|---|---:|---:|"]
+    lines += [f"| {name} | {ok} | {missed} |" for name, (ok, missed) in met.items()]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path)
     parser.add_argument("--launches", action="store_true", help="add the per-launch tables (ours and Marlin)")
     parser.add_argument("--ours", default="project", help="the variant that is ours (where a cell has it)")
     parser.add_argument("--variants", action="store_true", help="add every variant of every cell side by side")
+    parser.add_argument("--targets", action="store_true", help="add every cell checked against issues 17 and 18")
     args = parser.parse_args(argv)
     data = json.loads(args.results.read_text())
     rows = [r for r in data["rows"] if "variants" in r]
@@ -135,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             for name in project_variants(rows):
                 if name != args.ours:
                     out += [""] + launches_table([r for r in rows if name in r["variants"]], name)
+    if args.targets:
+        out += [""] + targets_table(rows, args.ours)
     print("\n".join(out))
 
 

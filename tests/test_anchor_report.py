@@ -77,3 +77,34 @@ def test_overlapping_launches_are_counted_by_what_they_add(tmp_path, capsys):
         "| Qwen3-30B-A3B | 1 | 17.9 | 5.3 | 29.6 | _w13_decode_kernel 11.2 (8.9 exposed); _prepare_kernel 5.3; "
         "_w2_decode_kernel 11.5 (3.6 exposed) |" in out
     )
+
+
+def test_targets_check_every_cell_and_count_the_misses(tmp_path, capsys):
+    """Issues 17 and 18's targets from the run itself: the glue bound by M, the floor bound to M = 64, each GEMM's
+    rate from M = 1024 (K = H for w13, I for w2), bf16 against the same cell's fp16 call."""
+    gemms = [dict(_launch("_w13_ws_kernel", 700.0), exposed_us=600.0), _launch("_w2_ws_kernel", 250.0)]
+    fp16 = {"us": 1000.0, "launches": [*gemms, _launch("_count_kernel", 60.0)]}  # glue 6%
+    decode = {"project": {"us": 60.0, "launches": [_launch("_count_kernel", 4.0)]}, "marlin": {"us": 59.0}}
+    prefill = {"project": fp16, "triton_fp16": {"us": 1100.0}}
+    rows = [
+        {**_row("Qwen3-30B-A3B", 16, "main", decode), "floor_us": 40.0},
+        {**_row("Qwen3-30B-A3B", 1024, "main", prefill), "top_k": 8, "H": 2048, "I": 768},
+        _row("Qwen3-30B-A3B", 1024, "bf16", {"project": {"us": 1060.0}}),
+    ]
+    path = tmp_path / "anchor_results.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    anchor_report.main([str(path), "--targets"])
+    out = capsys.readouterr().out
+    # 60 > 59 us; 4 us of glue; 1.25 x 40 + 5 = 55 < 60
+    assert (
+        "| Qwen3-30B-A3B | 16 | MISSED < Marlin 1.02; glue <= 5 us 4.0 us; MISSED <= 1.25 floor + 5 60.0 for 55.0 |"
+        in out
+    )
+    # w13: 4 x 8192 pairs x 768 x 2048 flops over its 600 exposed us = 86 TFLOP/s; w2 half of them over 250 us
+    assert (
+        "| Qwen3-30B-A3B | 1024 | MISSED glue <= 5% 6.0%; MISSED w13 TFLOP/s 86 for 550; "
+        "MISSED w2 TFLOP/s 103 for 450; < fp16 Triton 0.91 |" in out
+    )
+    assert "| Qwen3-30B-A3B bf16 | 1024 | MISSED <= 1.05 x fp16 1.060 |" in out
+    assert "| glue <= 5 us | 1 | 0 |" in out
+    assert "| <= 1.05 x fp16 | 0 | 1 |" in out
