@@ -100,7 +100,6 @@ GLUON_TILES = tuple(
             GluonTile(32, 64, 4, stages=5),
             GluonTile(32, 128, 4, warps=8),
             GluonTile(64, 64, 8, stages=5),
-            GluonTile(64, 128, 8, warps=8),
             GluonTile(128, 128, 8, warps=8, w2_block_n=128),
         ]
     )

@@ -110,6 +110,7 @@ def reads(weights: MoeWeights) -> bool:
 # The 16-token tile, warp-specialized and persistent: 4 programs on every SM (probe_gluon_ws on the H200, fp16,
 # M = 4-64: Qwen2-57B 17-20% and Mixtral 9-28% faster than one program per tile, KERNEL_NOTES.md item 25).
 PERSISTENT_16 = GluonTile(16, 64, 1, 4, per_sm=4)
+WIDE_TILE = GluonTile(128, 128, 8, 4, 8)  # past WIDE_FROM_ROWS rows per expert
 
 
 def persistent_fits(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> bool:
@@ -144,10 +145,19 @@ def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> Glu
     return replace(tile, per_sm=0)
 
 
+# The heuristic past the 32-token tile: the 64-token tile on MID_WARPS warps (4: one warpgroup, 64 channels; 8: two
+# sharing the activations over 128) up to WIDE_FROM_ROWS rows per expert, the 128-token tile on two warpgroups past
+# them. Plain numbers, so the anchor's variants can patch them (``project:gluon_sm90.WIDE_FROM_ROWS=512``). A wider
+# token tile pads each expert's rows further: at 64 rows per expert under uniform routing the 128-token tile computes
+# twice the rows it keeps, the 64-token one 1.5 times (KERNEL_NOTES.md item 42).
+MID_WARPS = 4
+WIDE_FROM_ROWS = 48
+
+
 def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.float16) -> GluonTile:
     """A tile for a shape nobody tuned: the token tile follows the rows each expert gets (up to 8, the persistent
-    warp-specialized kernels where they fit: :data:`PERSISTENT_16`, :func:`fitted_tile`); past 48 two
-    warpgroups share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16). bf16
+    warp-specialized kernels where they fit: :data:`PERSISTENT_16`, :func:`fitted_tile`); past :data:`WIDE_FROM_ROWS`
+    two warpgroups share 128-token activation tiles over 256 weight rows (benchmarks/KERNEL_NOTES.md item 16). bf16
     keeps the 32-token tile up to 48 rows per expert: it scales each K step's sum (:func:`scale_after`), the
     64-token tile each weight (Qwen2-57B M=256 on the H200: 533 against the tl kernels' 648 us, KERNEL_NOTES.md
     item 20)."""
@@ -156,9 +166,14 @@ def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.
         return PERSISTENT_16
     if per_expert <= (48 if dtype == torch.bfloat16 else 24):
         return GluonTile(32, 64, 4)
-    if per_expert <= 48:
-        return GluonTile(64, 64, 8)
-    return GluonTile(128, 128, 8, 4, 8)
+    if per_expert <= WIDE_FROM_ROWS:
+        return mid_tile()
+    return WIDE_TILE
+
+
+def mid_tile() -> GluonTile:
+    """The 64-token tile on :data:`MID_WARPS` warps: 16 channels a warp (gate and up: 32 weight rows)."""
+    return GluonTile(64, 16 * MID_WARPS, 8, 4, MID_WARPS)
 
 
 # bf16's top-k sum on the Gluon path: "pairs" (one bf16 row per pair, then kernels/topk_sum.py) or "atomic" (fp32
@@ -191,8 +206,9 @@ SHIPPED_TILES = (
     PERSISTENT_16,
     GluonTile(16, 64, 1),  # PERSISTENT_16 where it does not fit
     GluonTile(32, 64, 4),
-    GluonTile(64, 64, 8),
-    GluonTile(128, 128, 8, 4, 8),
+    GluonTile(64, 64, 8),  # mid_tile() on 4 warps
+    GluonTile(64, 128, 8, 4, 8),  # on 8
+    WIDE_TILE,
 )
 
 
