@@ -146,12 +146,19 @@ def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> Glu
 
 
 # The heuristic past the 32-token tile: the 64-token tile on MID_WARPS warps (4: one warpgroup, 64 channels; 8: two
-# sharing the activations over 128) up to WIDE_FROM_ROWS rows per expert, the 128-token tile on two warpgroups past
-# them. Plain numbers, so the anchor's variants can patch them (``project:gluon_sm90.WIDE_FROM_ROWS=512``). A wider
-# token tile pads each expert's rows further: at 64 rows per expert under uniform routing the 128-token tile computes
-# twice the rows it keeps, the 64-token one 1.5 times (KERNEL_NOTES.md item 42).
+# sharing the activations over 128) and MID_STAGES ring stages up to WIDE_FROM_ROWS rows per expert, the 128-token
+# tile on two warpgroups past them. Plain numbers, so the anchor's variants can patch them
+# (``project:gluon_sm90.WIDE_FROM_ROWS=512``). A wider token tile pads each expert's rows further: at 64 rows per
+# expert under uniform routing the 128-token tile computes twice the rows it keeps, the 64-token one 1.5 times
+# (KERNEL_NOTES.md item 42).
 MID_WARPS = 4
+MID_STAGES = 4
 WIDE_FROM_ROWS = 48
+# Registers a thread (maxnreg) for 8-warp tiles whose ring fits an SM's shared memory twice, so that two programs
+# share each SM and one's first loads and epilogue run under the other's MMAs (0: as many as ptxas takes, 151-154
+# for the 64-token tile on 8 warps: one program an SM). The 64-token tile of 3 stages spills 48 bytes at 128
+# (sm_90 build, item 42): measured before it is used.
+TWO_PROGRAMS_MAXNREG = 0
 
 
 def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.float16) -> GluonTile:
@@ -173,7 +180,7 @@ def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.
 
 def mid_tile() -> GluonTile:
     """The 64-token tile on :data:`MID_WARPS` warps: 16 channels a warp (gate and up: 32 weight rows)."""
-    return GluonTile(64, 16 * MID_WARPS, 8, 4, MID_WARPS)
+    return GluonTile(64, 16 * MID_WARPS, 8, MID_STAGES, MID_WARPS)
 
 
 # bf16's top-k sum on the Gluon path: "pairs" (one bf16 row per pair, then kernels/topk_sum.py) or "atomic" (fp32
@@ -649,7 +656,23 @@ def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int
         STAGES=tile.stages,
         SCALE_AFTER=scale_after(tile, dtype),
         num_warps=tile.warps,
+        **({"maxnreg": TWO_PROGRAMS_MAXNREG} if two_programs(tile, kernel) else {}),
     )
+
+
+SM90_SHARED_PER_SM = 228 * 1024  # an H100's / H200's shared memory per SM; each resident program reserves 1 KB of it
+
+
+def ring_bytes(tile: GluonTile, kernel: str, dtype_bytes: int = 2) -> int:
+    """Shared memory of one program's ring: per stage the [rows, 16] int32 words and [2 * block_m, 64] activations."""
+    rows = 2 * tile.block_n if kernel == "w13" else tile.w2_rows
+    return tile.stages * (rows * 16 * 4 + 2 * tile.block_m * 64 * dtype_bytes)
+
+
+def two_programs(tile: GluonTile, kernel: str) -> bool:
+    """Whether ``kernel`` of ``tile`` is capped at :data:`TWO_PROGRAMS_MAXNREG` registers to run two programs an SM."""
+    fits = 2 * (ring_bytes(tile, kernel) + 1024) <= SM90_SHARED_PER_SM
+    return bool(TWO_PROGRAMS_MAXNREG) and tile.warps == 8 and not tile.per_sm and fits
 
 
 def launch(
