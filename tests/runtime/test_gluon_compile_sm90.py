@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from repack.runtime.kernels import gluon_sm90
 from tests.support.sm90 import SM90_SHARED_LIMIT, before_dependency_wait, ptxas_spills
 
 VARIANTS = [("float16", False), ("bfloat16", True)]  # (activation dtype, asym with act-order)
@@ -104,6 +105,8 @@ def test_shipped_and_tuned_gluon_configs_compile_for_sm90(act, asym):
         for name, kernel in report.items():
             where = f"{cfg} {name} {act}"
             assert kernel["shared"] <= SM90_SHARED_LIMIT, f"{where}: {kernel['shared']} bytes of shared memory"
+            # the ring is all of it (the epilogue reuses it): what gluon_sm90.two_programs counts on
+            assert kernel["shared"] == gluon_sm90.ring_bytes(cfg, name), f"{where}: shared memory beside the ring"
             assert ptxas_spills(kernel["ptx"]) == 0, f"{where}: spills to local memory"
             untouched = {"waits": 1, "loads": 0, "l2_loads": 0, "writes": 0}  # the kernel before ends first
             assert before_dependency_wait(kernel["ptx"]) == untouched, f"{where}: global memory before the wait"

@@ -202,6 +202,29 @@ def test_heuristic_tiles_are_shipped():
         assert gluon_sm90.heuristic_tile(pairs, 64) in gluon_sm90.SHIPPED_TILES
 
 
+@pytest.mark.parametrize("warps", [4, 8])
+def test_the_heuristics_numbers_move_its_tiles_and_stay_shipped(monkeypatch, warps):
+    """The anchor's variants patch WIDE_FROM_ROWS and MID_WARPS: each choice is a tile the compile tests build."""
+    monkeypatch.setattr(gluon_sm90, "MID_WARPS", warps)
+    assert gluon_sm90.heuristic_tile(64 * 40, 64) == GluonTile(64, 16 * warps, 8, 4, warps)  # 40 rows an expert
+    assert gluon_sm90.heuristic_tile(64 * 100, 64) == gluon_sm90.WIDE_TILE
+    monkeypatch.setattr(gluon_sm90, "WIDE_FROM_ROWS", 512)
+    assert gluon_sm90.heuristic_tile(64 * 100, 64) == gluon_sm90.mid_tile() in gluon_sm90.SHIPPED_TILES
+
+
+def test_two_programs_an_sm_only_for_eight_warp_rings_that_fit_twice(monkeypatch):
+    """TWO_PROGRAMS_MAXNREG caps the registers (a launch option) where two rings fit an SM's shared memory."""
+    constants = lambda tile, kernel="w13": gluon_sm90.launch_constants(tile, kernel, top_k=8, group_len=128,
+                                                                     has_zeros=False)  # noqa: E731 # fmt: skip
+    three_stages = GluonTile(64, 128, 8, 3, 8)
+    assert gluon_sm90.ring_bytes(three_stages, "w13") == 3 * (256 * 64 + 128 * 128)  # words + activations a stage
+    assert "maxnreg" not in constants(three_stages)  # off by default
+    monkeypatch.setattr(gluon_sm90, "TWO_PROGRAMS_MAXNREG", 128)
+    assert constants(three_stages)["maxnreg"] == constants(three_stages, "w2")["maxnreg"] == 128
+    assert "maxnreg" not in constants(GluonTile(64, 128, 8, 4, 8))  # 128 KB of ring: one program an SM
+    assert "maxnreg" not in constants(GluonTile(64, 64, 8, 3, 4))  # four warps fit three programs uncapped
+
+
 @pytest.mark.parametrize("m", [1, 4, 8, 16, 48, 64, 200, 256, 1024, 4096])
 def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm90, m):
     """Qwen1.5-MoE's table (E=60, I=1408, top-4) on an H200 with the Gluon kernels: decode entries run decode; the
