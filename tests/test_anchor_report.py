@@ -18,6 +18,14 @@ def _row(model: str, m: int, tag: str, variants: dict) -> dict:
     return {"model": model, "key": model.lower(), "tag": tag, "M": m, "floor_us": 50.0, "variants": variants}
 
 
+def _report(tmp_path, capsys, rows: list[dict], *options: str) -> str:
+    """What anchor_report prints for a run of ``rows`` with ``options``."""
+    path = tmp_path / "anchor_results.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    anchor_report.main([str(path), *options])
+    return capsys.readouterr().out
+
+
 def _results(tmp_path):
     ours = {"us": 60.0, "rel_err": 5e-4, "launches": [_launch("_w13_ws_kernel", 40.0), _launch("_count_kernel", 5.0)]}
     faster = {"us": 48.0, "rel_err": 5e-4, "launches": [_launch("_w13_ws_kernel", 38.0)]}
@@ -69,10 +77,7 @@ def test_overlapping_launches_are_counted_by_what_they_add(tmp_path, capsys):
     launches = [dict(_launch("_w13_decode_kernel", 11.2), exposed_us=8.9), dict(_launch("_prepare_kernel", 5.3)),
                 dict(_launch("_w2_decode_kernel", 11.5), exposed_us=3.6)]  # fmt: skip
     rows = [_row("Qwen3-30B-A3B", 1, "main", {"project": {"us": 17.9, "launches": launches}})]
-    path = tmp_path / "anchor_results.json"
-    path.write_text(json.dumps({"meta": {}, "rows": rows}))
-    anchor_report.main([str(path), "--launches"])
-    out = capsys.readouterr().out
+    out = _report(tmp_path, capsys, rows, "--launches")
     assert (
         "| Qwen3-30B-A3B | 1 | 17.9 | 5.3 | 29.6 | _w13_decode_kernel 11.2 (8.9 exposed); _prepare_kernel 5.3; "
         "_w2_decode_kernel 11.5 (3.6 exposed) |" in out
@@ -91,10 +96,7 @@ def test_targets_check_every_cell_and_count_the_misses(tmp_path, capsys):
         {**_row("Qwen3-30B-A3B", 1024, "main", prefill), "top_k": 8, "H": 2048, "I": 768},
         _row("Qwen3-30B-A3B", 1024, "bf16", {"project": {"us": 1060.0}}),
     ]
-    path = tmp_path / "anchor_results.json"
-    path.write_text(json.dumps({"meta": {}, "rows": rows}))
-    anchor_report.main([str(path), "--targets"])
-    out = capsys.readouterr().out
+    out = _report(tmp_path, capsys, rows, "--targets")
     # 60 > 59 us; 4 us of glue; 1.25 x 40 + 5 = 55 < 60
     assert (
         "| Qwen3-30B-A3B | 16 | MISSED < Marlin 1.02; glue <= 5 us 4.0 us; MISSED <= 1.25 floor + 5 60.0 for 55.0 |"
