@@ -156,8 +156,8 @@ MID_STAGES = 4
 WIDE_FROM_ROWS = 48
 # Registers a thread (maxnreg) for 8-warp tiles whose ring fits an SM's shared memory twice, so that two programs
 # share each SM and one's first loads and epilogue run under the other's MMAs (0: as many as ptxas takes, 151-154
-# for the 64-token tile on 8 warps: one program an SM). The 64-token tile of 3 stages spills 48 bytes at 128
-# (sm_90 build, item 42): measured before it is used.
+# for the 64-token tile on 8 warps: one program an SM). At 128 the 64-token tile of 3 stages spills 88-120 bytes, 7-12
+# local accesses in each K loop (sm_90 build, KERNEL_NOTES.md item 42): to be measured before anything ships it.
 TWO_PROGRAMS_MAXNREG = 0
 
 
@@ -663,10 +663,11 @@ def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int
 SM90_SHARED_PER_SM = 228 * 1024  # an H100's / H200's shared memory per SM; each resident program reserves 1 KB of it
 
 
-def ring_bytes(tile: GluonTile, kernel: str, dtype_bytes: int = 2) -> int:
-    """Shared memory of one program's ring: per stage the [rows, 16] int32 words and [2 * block_m, 64] activations."""
+def ring_bytes(tile: GluonTile, kernel: str) -> int:
+    """Shared memory of one program of ``kernel``, all of it the ring (the epilogue reuses it): per stage the
+    [rows, 16] int32 words and the [2 * block_m, 64] fp16 / bf16 activations."""
     rows = 2 * tile.block_n if kernel == "w13" else tile.w2_rows
-    return tile.stages * (rows * 16 * 4 + 2 * tile.block_m * 64 * dtype_bytes)
+    return tile.stages * (rows * 16 * 4 + 2 * tile.block_m * 64 * 2)
 
 
 def two_programs(tile: GluonTile, kernel: str) -> bool:
