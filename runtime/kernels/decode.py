@@ -339,13 +339,12 @@ def _w13_decode_kernel(
     up = tl.sum(acc_up, axis=1)
     done = True
     if SPLIT_K:
-        n_pad = tl.num_programs(1) * BLOCK_N  # the sums' rows hold whole tiles (split_k.DecodeScratch)
-        row = sums_ptr + pair.to(tl.int64) * 2 * n_pad + offs_n
-        tl.atomic_add(row, gate, mask=n_mask, sem="relaxed")
+        gate_row, up_row = split_k.gate_up_rows(sums_ptr, pair, offs_n, BLOCK_N)
+        tl.atomic_add(gate_row, gate, mask=n_mask, sem="relaxed")
         counter = arrivals_ptr + pair * tl.num_programs(1) + pid_n
-        done = split_k.add_and_arrive(row + n_pad, up, n_mask, counter, tl.num_programs(2))
+        done = split_k.add_and_arrive(up_row, up, n_mask, counter, tl.num_programs(2))
         if done:
-            gate, up = split_k.totals(row, row + n_pad, n_mask)
+            gate, up = split_k.totals(gate_row, up_row, n_mask)
     if done:
         act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE).to(tl.float32)
         slot, inverse = _field_major_slot(offs_n, BITS, MMA_ORDER, BLOCK_K)

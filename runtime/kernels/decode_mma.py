@@ -282,13 +282,12 @@ if gluon_sm90.available():
         n_ok = offs_n < N  # every row is (N is a multiple of 128): the split-K meeting's mask
         done = True
         if SPLIT_K:
-            n_pad = gl.num_programs(1) * BLOCK_N  # the sums' rows hold whole tiles (split_k.DecodeScratch)
-            row = sums_ptr + pair.to(gl.int64) * 2 * n_pad + offs_n
-            gl.atomic_add(row, gate, mask=n_ok, sem="relaxed")
+            gate_row, up_row = split_k.gate_up_rows(sums_ptr, pair, offs_n, BLOCK_N)
+            gl.atomic_add(gate_row, gate, mask=n_ok, sem="relaxed")
             counter = arrivals_ptr + pair * gl.num_programs(1) + pid_n
-            done = split_k.add_and_arrive(row + n_pad, up, n_ok, counter, gl.num_programs(2))
+            done = split_k.add_and_arrive(up_row, up, n_ok, counter, gl.num_programs(2))
             if done:
-                gate, up = split_k.totals(row, row + n_pad, n_ok)
+                gate, up = split_k.totals(gate_row, up_row, n_ok)
         if done:
             act = gate / (1.0 + gl.exp(-gate)) * up
             gl.store(inter_ptr + pair.to(gl.int64) * stride_inter + offs_n, act.to(DTYPE))

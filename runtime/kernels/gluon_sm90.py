@@ -660,7 +660,8 @@ def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int
     )
 
 
-SM90_SHARED_PER_SM = 228 * 1024  # an H100's / H200's shared memory per SM; each resident program reserves 1 KB of it
+SM90_SHARED_PER_SM = 228 * 1024  # an H100's / H200's shared memory per SM
+SM90_BLOCK_RESERVED = 1024  # of it, what the driver keeps for each resident program
 
 
 def ring_bytes(tile: GluonTile, kernel: str) -> int:
@@ -672,7 +673,7 @@ def ring_bytes(tile: GluonTile, kernel: str) -> int:
 
 def two_programs(tile: GluonTile, kernel: str) -> bool:
     """Whether ``kernel`` of ``tile`` is capped at :data:`TWO_PROGRAMS_MAXNREG` registers to run two programs an SM."""
-    fits = 2 * (ring_bytes(tile, kernel) + 1024) <= SM90_SHARED_PER_SM
+    fits = 2 * (ring_bytes(tile, kernel) + SM90_BLOCK_RESERVED) <= SM90_SHARED_PER_SM
     return bool(TWO_PROGRAMS_MAXNREG) and tile.warps == 8 and not tile.per_sm and fits
 
 

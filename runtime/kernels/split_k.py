@@ -51,6 +51,15 @@ def total(row_ptrs, mask):
 
 
 @triton.jit
+def gate_up_rows(sums_ptr, pair, offs_n, BLOCK_N: tl.constexpr):
+    """Where w13's program (pair, channel tile program_id(1)) adds its gate and up partial sums: rows of
+    ``[pair, gate/up, tiles x BLOCK_N]``, whole channel tiles a row, as :class:`DecodeScratch` lays them out."""
+    n_pad = tl.num_programs(1) * BLOCK_N
+    gate = sums_ptr + pair.to(tl.int64) * 2 * n_pad + offs_n
+    return gate, gate + n_pad
+
+
+@triton.jit
 def totals(gate_ptrs, up_ptrs, mask):
     """:func:`total` of two rows (w13's gate and up), both read unmasked: a masked atomic is a branch of its own,
     and ptxas scheduled the first total's use before the second atomic, two L2 round trips where one does
