@@ -222,14 +222,19 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs the command as t
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A folder the user nobody may write in (pytest's tmp_path is private to its owner), once nobody can run this
-    checkout's ``repack`` at all: a clone under a folder only its owner may enter (root's home, a 0700 temp folder)
-    keeps nobody from the virtual environment, which says nothing about the command."""
+@pytest.fixture(scope="module")
+def nobody_runs_repack() -> None:
+    """Skips unless nobody can run this checkout's ``repack`` at all: a clone under a folder only its owner may enter
+    (root's home, a 0700 temp folder) keeps nobody from the virtual environment, which says nothing about the
+    command. Asked once for the module's tests."""
     reach = subprocess.run([*NOBODY, str(REPACK), "--version"], capture_output=True, text=True, timeout=120)
     if reach.returncode != 0:
         pytest.skip(f"nobody cannot run {REPACK} ({reach.stderr.strip()[-120:]}): clone where other users may read")
+
+
+@pytest.fixture
+def shared_dir(nobody_runs_repack) -> Iterator[Path]:
+    """A folder the user nobody may write in (pytest's tmp_path is private to its owner)."""
     folder = Path(tempfile.mkdtemp(prefix="repack-nobody-"))
     folder.chmod(0o777)
     yield folder
