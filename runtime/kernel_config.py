@@ -48,9 +48,11 @@ class Family(str, Enum):
 # The families that always run one program per pair (DIRECT implied) and sum the top-k in their w2.
 DECODE_FAMILIES = (Family.DECODE, Family.DECODE_MMA)
 
-# Register cap per thread of the warp-specialized kernels, by persistent programs per SM: P programs of two
-# warpgroups' allocation (the producer warp's group and the consumer's) share the SM's 65536 registers.
-PERSISTENT_REGISTERS = {2: 128, 3: 80, 4: 64}
+# Register cap per thread (maxnreg) of the warp-specialized kernels, by (persistent programs per SM, consumer warps):
+# P programs of one warpgroup's allocation per 4 consumer warps, plus the producer's, share the SM's 65536 registers.
+# The producer then gives back all but its few (setmaxnreg), which the consumer takes: one program of two consumer
+# warpgroups at 168 runs them at 232 beside a 40-register producer.
+PERSISTENT_REGISTERS = {(4, 4): 64, (3, 4): 80, (2, 4): 128, (1, 8): 168}
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class GluonTile:
     activations: twice the weight rows per activation byte read, benchmarks/KERNEL_NOTES.md item 16) and
     ``w2_block_n`` w2's weight rows per program (0: the w13 tile's row count, at least 64) and ``per_sm``: 0 for
     one program per tile (kernels/gluon_sm90.py), else the warp-specialized persistent kernels with that many
-    programs on every SM (kernels/gluon_ws_sm90.py: one warpgroup, 64 channels, KERNEL_NOTES.md item 25).
+    programs on every SM (kernels/gluon_ws_sm90.py, KERNEL_NOTES.md item 25: 16 channels a consumer warp, w2's rows
+    set by its warps; :data:`PERSISTENT_REGISTERS` says which (per_sm, warps) fit).
     JSON: ``"GLUON": [block_m, block_n, group_m(, stages(, warps(, w2_block_n(, per_sm))))]``."""
 
     block_m: int
@@ -85,21 +88,27 @@ class GluonTile:
                 f"kernel config: GLUON: warps {self.warps} / w2_block_n {self.w2_block_n}; use warps 4 or 8 and "
                 "w2_block_n 0 (the w13 rows), 64, 128 or 256"
             )
-        if self.per_sm not in PERSISTENT_REGISTERS and self.per_sm != 0:
+        if self.per_sm and (self.per_sm, self.warps) not in PERSISTENT_REGISTERS:
+            shapes = ", ".join(f"per_sm {p} on {w} warps" for p, w in PERSISTENT_REGISTERS)
             raise RepackError(
-                f"kernel config: GLUON: per_sm {self.per_sm}; use 0 (a program per tile) or "
-                f"{'/'.join(map(str, PERSISTENT_REGISTERS))} persistent programs per SM"
+                f"kernel config: GLUON: per_sm {self.per_sm} on {self.warps} warps; use per_sm 0 (a program per tile) "
+                f"or one of: {shapes}"
             )
-        if self.per_sm and (self.warps != 4 or self.block_n != 64 or self.w2_rows != 64):
+        if self.per_sm and (self.block_n != 16 * self.warps or self.w2_block_n):
             raise RepackError(
-                f"kernel config: GLUON: per_sm {self.per_sm} (warp-specialized) takes one warpgroup and 64 "
-                f"channels, not warps {self.warps}, block_n {self.block_n}, w2_block_n {self.w2_block_n}"
+                f"kernel config: GLUON: per_sm {self.per_sm} (warp-specialized) takes 16 channels a warp and w2's "
+                f"rows from its warps, not block_n {self.block_n} on {self.warps} warps, w2_block_n {self.w2_block_n}"
             )
         # Each warp owns 16 weight rows; w13's gate/up halves must split on a register bit, not a warp bit.
         if self.block_n < 16 * self.warps or self.w2_rows < 16 * self.warps:
             raise RepackError(
                 f"kernel config: GLUON: {self.warps} warps need block_n and w2_block_n >= {16 * self.warps}"
             )
+
+    @property
+    def registers(self) -> int:
+        """maxnreg of a warp-specialized tile (``per_sm`` set): :data:`PERSISTENT_REGISTERS`."""
+        return PERSISTENT_REGISTERS[self.per_sm, self.warps]
 
     @property
     def w2_rows(self) -> int:

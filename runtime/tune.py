@@ -101,6 +101,11 @@ GLUON_TILES = tuple(
             GluonTile(32, 128, 4, warps=8),
             GluonTile(64, 64, 8, stages=5),
             GluonTile(128, 128, 8, warps=8, w2_block_n=128),
+            # the warp-specialized persistent kernels past 16 tokens (gluon_sm90.MID_PER_SM, WIDE_PER_SM)
+            GluonTile(32, 64, 4, per_sm=2),
+            GluonTile(64, 64, 8, per_sm=2),
+            GluonTile(64, 128, 8, warps=8, per_sm=1),
+            GluonTile(128, 128, 8, warps=8, per_sm=1),
         ]
     )
 )

@@ -154,6 +154,13 @@ def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> Glu
 MID_WARPS = 4
 MID_STAGES = 4
 WIDE_FROM_ROWS = 48
+# Persistent programs an SM for the 64-token (MID_PER_SM: 2 on 4 warps, 1 on 8) and 128-token (WIDE_PER_SM: 1) tiles:
+# the warp-specialized kernels (kernels/gluon_ws_sm90.py), whose producer fills the next tile's stages while the
+# consumers finish this one, where one program per tile pays its ring's fill and its epilogue with the tensor cores
+# idle (a third of a six-step w2 tile's instructions, KERNEL_NOTES.md item 42). 0: one program per tile (measured
+# before; the others not yet).
+MID_PER_SM = 0
+WIDE_PER_SM = 0
 # Registers a thread (maxnreg) for 8-warp tiles whose ring fits an SM's shared memory twice, so that two programs
 # share each SM and one's first loads and epilogue run under the other's MMAs (0: as many as ptxas takes, 151-154
 # for the 64-token tile on 8 warps: one program an SM). At 128 the 64-token tile of 3 stages spills 88-120 bytes, 7-12
@@ -175,12 +182,13 @@ def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.
         return GluonTile(32, 64, 4)
     if per_expert <= WIDE_FROM_ROWS:
         return mid_tile()
-    return WIDE_TILE
+    return replace(WIDE_TILE, per_sm=WIDE_PER_SM)
 
 
 def mid_tile() -> GluonTile:
-    """The 64-token tile on :data:`MID_WARPS` warps: 16 channels a warp (gate and up: 32 weight rows)."""
-    return GluonTile(64, 16 * MID_WARPS, 8, MID_STAGES, MID_WARPS)
+    """The 64-token tile on :data:`MID_WARPS` warps: 16 channels a warp (gate and up: 32 weight rows), at
+    :data:`MID_PER_SM` persistent programs an SM."""
+    return GluonTile(64, 16 * MID_WARPS, 8, MID_STAGES, MID_WARPS, per_sm=MID_PER_SM)
 
 
 # bf16's top-k sum on the Gluon path: "pairs" (one bf16 row per pair, then kernels/topk_sum.py) or "atomic" (fp32

@@ -37,7 +37,7 @@ import torch
 import triton
 
 from repack.formats.errors import RepackError
-from repack.runtime.kernel_config import PERSISTENT_REGISTERS, GluonTile
+from repack.runtime.kernel_config import GluonTile
 from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.common import await_previous_kernel, dependent_launches, tile_ids
@@ -92,6 +92,7 @@ W2_PERSISTENT_MIN_K = 1024
 # 16 bytes, once per tile and never in its K loop (item 30).
 PRODUCER_REGS = 32
 ROOMY_PRODUCER_REGS = 40  # where 2 programs share an SM (maxnreg 128): see producer_regs
+WIDE_PRODUCER_REGS = 56  # 128-token tiles: see producer_regs
 # w2 (where its sum is added into the target, reduce "out"/"atomic") splits the flattened (tile, K step) work into one
 # equal range per program (stream-K) instead of dealing whole tiles round-robin: a few live tiles of long K (Mixtral
 # at M = 1-4: 128-352 tiles of 112 steps for 528 programs) left most programs idle, a partial last wave cost up to a
@@ -165,17 +166,18 @@ if gluon_sm90.available():
 
     @gluon.jit
     def _producer(w_desc, src_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready, empty,
-                  num_pairs, rows_per_expert, N, box_stride, K, stride_src, ROW_DIV: gl.constexpr,
+                  num_pairs, rows_per_expert, N, half_stride, K, stride_src, ROW_DIV: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr,
-                  STREAM_K: gl.constexpr, TILES: gl.constexpr):  # fmt: skip
+                  HALF_BOXES: gl.constexpr, STREAM_K: gl.constexpr, TILES: gl.constexpr):  # fmt: skip
         """The worker partition: every K step of every tile of this program into the ring. A stage is ready when
         its TMA bytes (BOXES boxes of words) and each lane's cp.async copies (the activations) have landed.
 
         ``src_ptr`` rows hold the activations (x, one row per token: ROW_DIV = top-k; or inter, one per pair:
-        ROW_DIV = 1). A tile's boxes lie ``box_stride`` rows apart: w13's gate rows and, N rows further, its up rows
-        (BOXES = 2); w2's 64 or 128 consecutive rows (BOXES = 1, 2; stride 64). TILES: "mma128_tiles" words, the box
-        of rows r..r+63 and step s at row (r / 64 * steps + s) * 64 of the tiles' 2-D view (:func:`words_descriptor`);
-        else "mma128" rows, at (r, 16 s)."""
+        ROW_DIV = 1). A tile's BOXES boxes of 64 rows come in runs of HALF_BOXES consecutive ones, the runs
+        ``half_stride`` rows apart: w13's gate rows and, N rows further, its up rows (two runs of BLOCK_N / 64); w2's
+        BLOCK_N consecutive rows (one run). TILES: "mma128_tiles" words, the box of rows r..r+63 and step s at row
+        (r / 64 * steps + s) * 64 of the tiles' 2-D view (:func:`words_descriptor`); else "mma128" rows, at
+        (r, 16 s)."""
         STAGES: gl.constexpr = w_smem.shape[0]
         X_PARTS: gl.constexpr = x_parts(BLOCK_M, gl.num_warps())
         PART_ROWS: gl.constexpr = 2 * BLOCK_M // X_PARTS
@@ -201,10 +203,11 @@ if gluon_sm90.available():
                 mbarrier.expect(ready.index(stage), BOXES * w_desc.block_type.nbytes)
                 w_stage = w_smem.index(stage)
                 for box in gl.static_range(BOXES):
+                    box_row = row0 + (box // HALF_BOXES) * half_stride + (box % HALF_BOXES) * _BOX_ROWS
                     if TILES:  # row r (a multiple of 64) at r * steps, step s 64 rows further
-                        coords = [(row0 + box * box_stride) * num_steps + step * _BOX_ROWS, 0]
+                        coords = [box_row * num_steps + step * _BOX_ROWS, 0]
                     else:
-                        coords = [row0 + box * box_stride, step * 16]
+                        coords = [box_row, step * 16]
                     tma.async_copy_global_to_shared(w_desc, coords, ready.index(stage),
                                                     w_stage.slice(box * _BOX_ROWS, _BOX_ROWS))  # fmt: skip
                 it += 1
@@ -273,12 +276,14 @@ if gluon_sm90.available():
                                 zeros_ptr + expert * stride_s_e, rows, channels < N, 0, K // 128, stride_s_g, ROWS,
                                 BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
             gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
-            act = gl.convert_layout(gate / (1.0 + gl.exp(-gate)) * up, OUT_LAYOUT)
+            # Cast, then moved to the store layout: the conversion's shared memory, which the persistent ring does not
+            # lend it, is half of fp32's (what lets a 128-token tile keep its stages).
+            act = gl.convert_layout((gate / (1.0 + gl.exp(-gate)) * up).to(inter_ptr.dtype.element_ty), OUT_LAYOUT)
             offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
             out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
             ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
             mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
-            gl.store(ptrs, act.to(inter_ptr.dtype.element_ty), mask=mask)
+            gl.store(ptrs, act, mask=mask)
 
     @gluon.jit
     def _w2_consumer(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
@@ -342,8 +347,8 @@ if gluon_sm90.available():
         zero_ptr, num_pairs, N, K, zero_numel, stride_x, stride_s_e, stride_s_g, stride_inter,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ZERO_OUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, TILES: gl.constexpr,
-        DEPENDENT: gl.constexpr = False,
+        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+        TILES: gl.constexpr, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """inter = silu(x W_gate^T) * (x W_up^T) over the aligned blocks; with ZERO_OUT also ``zero_ptr[:zero_numel]
         = 0`` (the target w2 adds the top-k into)."""
@@ -359,8 +364,8 @@ if gluon_sm90.available():
                              GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE)),
             (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
                          empty, num_pairs, 2 * N, N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
-                         2 * BLOCK_N // _BOX_ROWS, False, TILES)),
-        ], [1], [PRODUCER_REGS])
+                         2 * BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, False, TILES)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
         # fmt: on
 
     @gluon.jit
@@ -369,8 +374,8 @@ if gluon_sm90.available():
         block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_inter, stride_s_e, stride_s_g, stride_out,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, STREAM_K: gl.constexpr,
-        TILES: gl.constexpr, DEPENDENT: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+        STREAM_K: gl.constexpr, TILES: gl.constexpr, DEPENDENT: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
     ):  # fmt: skip
         """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
         the (tile, K step) work). A dependent launch on tiled words first asks L2 for its first PREFETCH steps."""
@@ -387,9 +392,9 @@ if gluon_sm90.available():
                             stride_s_g, stride_out, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N,
                             GROUP_M, SCALE_AFTER, DTYPE, STREAM_K)),
             (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
-                         ready, empty, num_pairs, N, N, _BOX_ROWS, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
-                         BLOCK_N // _BOX_ROWS, STREAM_K, TILES)),
-        ], [1], [PRODUCER_REGS])
+                         ready, empty, num_pairs, N, N, 0, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
+                         BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, STREAM_K, TILES)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
         # fmt: on
 
 
@@ -413,10 +418,25 @@ def words_descriptor(qweight: torch.Tensor, tiled: bool) -> TensorDescriptor:
 
 def producer_regs(tile: GluonTile) -> int:
     """The producer warpgroup's registers for ``tile``: :data:`PRODUCER_REGS`, or ROOMY_PRODUCER_REGS where at most
-    two programs share an SM; there the consumer keeps 88 of its 128 registers, and at 32 the w2 producer of tiled
-    words spilled 8 bytes (its stream-K bounds beside the tile coordinates; tests/runtime/test_gluon_ws_compile_sm90.py
-    compiles both)."""
-    return max(PRODUCER_REGS, ROOMY_PRODUCER_REGS) if tile.per_sm <= 2 else PRODUCER_REGS
+    two programs share an SM (at 32 the w2 producer of tiled words spilled 8 bytes: its stream-K bounds beside the
+    tile coordinates), or WIDE_PRODUCER_REGS for 128-token tiles, whose producer keeps 8 token rows a thread (at 40
+    it spilled 36-44 bytes). The consumer takes the rest: 216 registers at 2 programs an SM, 224-232 at one
+    (tests/runtime/test_gluon_ws_compile_sm90.py compiles each)."""
+    if tile.per_sm > 2:
+        return PRODUCER_REGS
+    return max(PRODUCER_REGS, WIDE_PRODUCER_REGS if tile.block_m >= 128 else ROOMY_PRODUCER_REGS)
+
+
+def producer_warps(tile: GluonTile) -> int:
+    """The producer's warps: one for 16-token tiles (what was measured), a warpgroup's four past them, whose token
+    rows one warp could not hold (a 64-token tile's producer warp spilled 592 bytes at 40 registers, two warps 32; four
+    none). They cost no registers: the producer's warpgroup is allocated whole either way."""
+    return 1 if tile.block_m <= 16 else 4
+
+
+def w2_rows(tile: GluonTile) -> int:
+    """w2's weight rows per tile: :data:`W2_ROWS` per consumer warpgroup."""
+    return W2_ROWS * tile.warps // 4
 
 
 def programs(tiles: int, device: torch.device, per_sm: int) -> int:
@@ -433,12 +453,12 @@ def launch(
     rows: Alignment,  # pairs sorted by expert into blocks of tile.block_m
     inter: torch.Tensor,  # [P, I] activation dtype
     target: torch.Tensor,  # [P, H] ("pairs") or [M, H] added to ("out", "atomic")
-    tile: GluonTile,  # block_m tokens, 64 channels (one warpgroup: 128 w13 rows; w2 W2_ROWS), stages, per_sm > 0
+    tile: GluonTile,  # block_m tokens, 16 channels a consumer warp (w13: 32 rows; w2: W2_ROWS a warpgroup), per_sm > 0
     reduce: str,  # "pairs", "out" or "atomic" (runtime/kernel_config.py)
     x_per_pair: bool = False,  # x is [P, H], one row per pair (act-order rows gathered by kernels/act_order.py)
 ) -> None:
-    """w13 then w2, warp-specialized and persistent (``tile.per_sm`` programs per SM, their register cap from
-    kernel_config.PERSISTENT_REGISTERS), on the same inputs as :func:`gluon_sm90.launch`; a w2 of K below
+    """w13 then w2, warp-specialized and persistent (``tile.per_sm`` programs per SM, their register cap
+    ``tile.registers``), on the same inputs as :func:`gluon_sm90.launch`; a w2 of K below
     :data:`W2_PERSISTENT_MIN_K` as gluon_sm90's."""
     if weights.w13_perm is not None or not tile.per_sm or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_ws_sm90.launch: tile {tile} / act-order: a per_sm tile and plain stacks")
@@ -449,15 +469,16 @@ def launch(
     s13 = weights.w13_scales
     common = dict(SYM_ZERO=8, HAS_ZEROS=has_zeros, BLOCK_M=tile.block_m, GROUP_M=tile.group_m, STAGES=tile.stages,
                   TILES=weights.tiled,
-                  SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=producer_regs(tile), num_warps=4,
-                  maxnreg=PERSISTENT_REGISTERS[tile.per_sm], **dependent_launches(x.device))  # fmt: skip
-    grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, 64), x.device, tile.per_sm),)
+                  SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=producer_regs(tile),
+                  PRODUCER_WARPS=producer_warps(tile), num_warps=tile.warps, maxnreg=tile.registers,
+                  **dependent_launches(x.device))  # fmt: skip
+    grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, tile.block_n), x.device, tile.per_sm),)
     _w13_ws_kernel[grid13](
         words_descriptor(weights.w13_qweight, weights.tiled), x, s13, zeros13, inter, rows.sorted_pairs,
         rows.block_experts,
         rows.num_blocks, target, num_pairs, n_inter, h, target.numel() if atomic else 0, x.stride(0), s13.stride(0),
         s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
-        ZERO_OUT=atomic, BLOCK_N=64, **common,
+        ZERO_OUT=atomic, BLOCK_N=tile.block_n, **common,
     )  # fmt: skip
     if n_inter < W2_PERSISTENT_MIN_K:
         gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, replace(tile, per_sm=0), reduce)
@@ -465,7 +486,8 @@ def launch(
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     s2 = weights.w2_scales
     stream_k = atomic and W2_STREAM_K
-    work2 = rows.max_blocks * triton.cdiv(h, W2_ROWS)  # tiles at most; stream-K: ranges of STREAM_K_MIN_STEPS at most
+    rows2 = w2_rows(tile)
+    work2 = rows.max_blocks * triton.cdiv(h, rows2)  # tiles at most; stream-K: ranges of STREAM_K_MIN_STEPS at most
     if stream_k:
         work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
     grid2 = (programs(work2, x.device, tile.per_sm),)
@@ -473,5 +495,5 @@ def launch(
         words_descriptor(weights.w2_qweight, weights.tiled), weights.w2_qweight, inter, s2, zeros2, topk_weights,
         target, rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0),
         s2.stride(0), s2.stride(1), target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter),
-        ATOMIC=atomic, BLOCK_N=W2_ROWS, STREAM_K=stream_k, PREFETCH=PREFETCH_STEPS, **common,
+        ATOMIC=atomic, BLOCK_N=rows2, STREAM_K=stream_k, PREFETCH=PREFETCH_STEPS, **common,
     )  # fmt: skip

@@ -46,8 +46,8 @@ def _word_reads() -> list[tuple[str, int, int]]:
 
     reads = set()
     for tile in GLUON_TILES:
-        if tile.per_sm:  # one warpgroup: w13's gate and up boxes, w2's W2_ROWS
-            reads |= {("tma", 2 * gluon_ws_sm90.BOX_ROWS, 4), ("tma", gluon_ws_sm90.W2_ROWS, 4)}
+        if tile.per_sm:  # the warp-specialized kernels: words by TMA, w2's rows W2_ROWS a consumer warpgroup
+            reads |= {("tma", 2 * tile.block_n, tile.warps), ("tma", gluon_ws_sm90.w2_rows(tile), tile.warps)}
         reads |= {("cp.async", 2 * tile.block_n, tile.warps), ("cp.async", tile.w2_rows, tile.warps)}
     return sorted(reads)
 

@@ -14,9 +14,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from repack.runtime.kernel_config import PERSISTENT_REGISTERS, GluonTile
-from repack.runtime.kernels.gluon_ws_sm90 import PRODUCER_REGS, W2_ROWS, producer_regs
+from repack.runtime.kernel_config import GluonTile
+from repack.runtime.kernels.gluon_sm90 import scale_after
+from repack.runtime.kernels.gluon_ws_sm90 import PRODUCER_REGS, W2_ROWS, producer_regs, w2_rows
 from repack.runtime.tune import GLUON_TILES
 from tests.runtime.test_gluon_compile_sm90 import loop_waits
 from tests.support.sm90 import (
@@ -38,12 +40,10 @@ from triton.runtime.jit import mangle_type
 from repack.runtime.kernel_config import GluonTile
 from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90 as ws
 
-from repack.runtime.kernel_config import PERSISTENT_REGISTERS
-
 tile, act, asym = GluonTile(*json.loads(sys.argv[1])), sys.argv[2], sys.argv[3] == "1"
 producer_regs, step_sum, tiles = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
 w2_rows = int(sys.argv[7])
-maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
+maxnreg = tile.registers
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32), tiles))
 types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, scales_ptr="*fp16",
@@ -51,8 +51,8 @@ types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, scales_ptr="*fp
 report = {}
 for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m,
-                  BLOCK_N=w2_rows if name == "w2" else 64, GROUP_M=tile.group_m, STAGES=tile.stages,
-                  PRODUCER_REGS=producer_regs,
+                  BLOCK_N=w2_rows if name == "w2" else tile.block_n, GROUP_M=tile.group_m, STAGES=tile.stages,
+                  PRODUCER_REGS=producer_regs, PRODUCER_WARPS=ws.producer_warps(tile),
                   SCALE_AFTER=step_sum, TILES=tiles, DEPENDENT=True)  # dependent launches, as on sm_90
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 as gluon_sm90.heuristic_reduce says
     atomic = gluon_sm90.heuristic_reduce(getattr(torch, act)) != "pairs"
@@ -63,7 +63,7 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
     k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tile.warps, maxnreg=maxnreg))
     report[name] = dict(shared=k.metadata.shared, ptx=k.asm["ptx"])
 print(json.dumps(report))
 """
@@ -77,13 +77,17 @@ def _cases() -> list[tuple[GluonTile, str, bool, int, bool, bool, int]]:
     (gluon_sm90.SCALE_AFTER_FP16_PERSISTENT); asymmetric zeros at 80, where persistent_fits sends them (at 64, w13
     spills); and the 40-register producer's fp16 path, the one measured before it (KERNEL_NOTES.md item 27); all of
     them on "mma128_tiles" words (what the converter writes), and the "mma128" rows of version-2 checkpoints in fp16
-    and bf16; w2's tile of 64 rows (gluon_ws_sm90.W2_ROWS before item 29) in fp16."""
+    and bf16; w2's tile of 64 rows (gluon_ws_sm90.W2_ROWS before item 29) in fp16. The 32- to 128-token tiles (one
+    or two consumer warpgroups, a producer warpgroup) also in bf16 and with zero points."""
     shipped = [t for t in GLUON_TILES if t.per_sm]
     # 3 programs of 6 stages (item 25's ws-3-6) need 231 KB of an SM's 228: the SM ran 2 of them; 5 stages fit.
     probed = [GluonTile(16, 64, 1, 5, per_sm=3), GluonTile(16, 64, 1, 8, per_sm=2)]
     wide, four = GluonTile(16, 64, 1, 4, per_sm=3), GluonTile(16, 64, 1, 4, per_sm=4)
     regs = PRODUCER_REGS
-    return [(t, "float16", False, producer_regs(t), False, True, W2_ROWS) for t in shipped + probed] + [
+    wider = [t for t in shipped if t.block_m > 16]  # the 32- to 128-token tiles: bf16 and zero points too
+    return [(t, "float16", False, producer_regs(t), False, True, w2_rows(t)) for t in shipped + probed] + [
+        *[(t, "bfloat16", False, producer_regs(t), scale_after(t, torch.bfloat16), True, w2_rows(t)) for t in wider],
+        *[(t, "float16", True, producer_regs(t), False, True, w2_rows(t)) for t in wider],
         (four, "bfloat16", False, regs, True, True, W2_ROWS),
         (four, "float16", False, regs, True, True, W2_ROWS),
         (wide, "float16", True, regs, False, True, W2_ROWS),
@@ -124,7 +128,7 @@ def test_k_loop_spill_finder_reads_loops_from_sass():
 )
 def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_regs, step_sum, tiles, w2_rows):
     env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
-    maxnreg = PERSISTENT_REGISTERS[tile.per_sm]
+    maxnreg = tile.registers
     flags = ["1" if asym else "0", str(producer_regs), "1" if step_sum else "0", "1" if tiles else "0"]
     flags.append(str(w2_rows))
     proc = subprocess.run(

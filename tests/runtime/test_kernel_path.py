@@ -166,11 +166,14 @@ def test_family_and_gluon_keys_round_trip_and_bad_ones_are_one_line_errors():
         (dict(TILE, FAMILY="decode", DIRECT=False), "decode kernels run one program per pair"),
         (dict(TILE, FAMILY="decode_mma", DIRECT=False), "decode kernels run one program per pair"),
         (dict(GLUON, DIRECT=True), "DIRECT .* is a decode or weight_major mode, not gluon_sm90's"),
-        (dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 5]), "per_sm 5; use 0 .* or 2/3/4 persistent programs per SM"),
-        (dict(GLUON, GLUON=[16, 128, 1, 4, 4, 0, 4]), "takes one warpgroup and 64 channels"),
-        (dict(GLUON, GLUON=[64, 64, 8, 4, 8, 0, 4]), "8 warps need|takes one warpgroup"),
-        (dict(GLUON, GLUON=[16, 64, 1, 4, 4, 128, 4]), "takes one warpgroup and 64 channels"),
+        (dict(GLUON, GLUON=[16, 64, 1, 4, 4, 0, 5]), "per_sm 5 on 4 warps; use per_sm 0 .* per_sm 1 on 8 warps"),
+        (dict(GLUON, GLUON=[64, 128, 8, 4, 8, 0, 2]), "per_sm 2 on 8 warps; use per_sm 0"),
+        (dict(GLUON, GLUON=[16, 128, 1, 4, 4, 0, 4]), "takes 16 channels a warp .* block_n 128 on 4 warps"),
+        (dict(GLUON, GLUON=[64, 64, 8, 4, 8, 0, 1]), "8 warps need|takes 16 channels a warp"),
+        (dict(GLUON, GLUON=[16, 64, 1, 4, 4, 128, 4]), "takes 16 channels a warp .* w2_block_n 128"),
     ]
+    wide = dict(GLUON, GLUON=[128, 128, 8, 4, 8, 0, 1])
+    assert KernelConfig.from_dict(wide).gluon.registers == 168  # one program: two consumer warpgroups, a producer's
     for entry, message in bad:
         with pytest.raises(RepackError, match=message) as info:
             KernelConfig.from_dict(entry)

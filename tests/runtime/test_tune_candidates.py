@@ -36,7 +36,7 @@ def test_gluon_tiles_are_searched_where_the_gluon_kernels_run(monkeypatch):
     configs = candidate_configs(LARGE_M, 2, zero_stack())
     assert {c.gluon for c in configs if c.gluon is not None} == set(GLUON_TILES)
     assert set(gluon_sm90.SHIPPED_TILES) <= set(GLUON_TILES)
-    assert len(GLUON_TILES) <= 12  # each tile is a few seconds of compiles per M
+    assert len(GLUON_TILES) <= 16  # each a few seconds of compiles per M (15 with the persistent 32-128 token tiles)
     assert {c.reduce for c in configs if c.gluon is not None} == {"pairs"}
     assert {c.reduce for c in candidate_configs(1, 2, zero_stack()) if c.gluon is not None} == {"pairs", "atomic"}
 
