@@ -161,6 +161,11 @@ WIDE_FROM_ROWS = 48
 # before; the others not yet).
 MID_PER_SM = 0
 WIDE_PER_SM = 0
+# The 32-token tile up to SMALL_TO_ROWS rows per expert in fp16 (bf16: 48, see heuristic_tile), at SMALL_PER_SM
+# persistent programs an SM (0 or 2). DeepSeek-V3 at M = 1024 has 32 rows an expert: the 64-token tile there computes
+# twice the rows it keeps (KERNEL_NOTES.md item 42).
+SMALL_TO_ROWS = 24
+SMALL_PER_SM = 0
 # Registers a thread (maxnreg) for 8-warp tiles whose ring fits an SM's shared memory twice, so that two programs
 # share each SM and one's first loads and epilogue run under the other's MMAs (0: as many as ptxas takes, 151-154
 # for the 64-token tile on 8 warps: one program an SM). At 128 the 64-token tile of 3 stages spills 88-120 bytes, 7-12
@@ -178,8 +183,8 @@ def heuristic_tile(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 8:
         return PERSISTENT_16
-    if per_expert <= (48 if dtype == torch.bfloat16 else 24):
-        return GluonTile(32, 64, 4)
+    if per_expert <= (max(48, SMALL_TO_ROWS) if dtype == torch.bfloat16 else SMALL_TO_ROWS):
+        return GluonTile(32, 64, 4, per_sm=SMALL_PER_SM)
     if per_expert <= WIDE_FROM_ROWS:
         return mid_tile()
     return replace(WIDE_TILE, per_sm=WIDE_PER_SM)

@@ -215,6 +215,25 @@ def test_the_heuristics_numbers_move_its_tiles_and_stay_shipped(monkeypatch, war
     assert gluon_sm90.heuristic_tile(64 * 100, 64) == gluon_sm90.mid_tile() in gluon_sm90.SHIPPED_TILES
 
 
+@pytest.mark.parametrize(("warps", "per_sm"), [(4, 2), (8, 1)])
+def test_the_persistent_switches_pick_tiles_the_compile_tests_build(monkeypatch, warps, per_sm):
+    """SMALL_PER_SM, MID_PER_SM and WIDE_PER_SM (the anchor's variants) send the 32-, 64- and 128-token tiles to the
+    warp-specialized kernels: tiles `repack tune` searches, so tests/runtime/test_gluon_ws_compile_sm90.py compiles
+    each."""
+    from repack.runtime.tune import GLUON_TILES
+
+    monkeypatch.setattr(gluon_sm90, "MID_WARPS", warps)
+    monkeypatch.setattr(gluon_sm90, "MID_PER_SM", per_sm)
+    monkeypatch.setattr(gluon_sm90, "WIDE_PER_SM", 1)
+    monkeypatch.setattr(gluon_sm90, "SMALL_PER_SM", 2)
+    small = gluon_sm90.heuristic_tile(64 * 20, 64)
+    assert (small.block_m, small.per_sm) == (32, 2) and small in GLUON_TILES
+    mid, wide = gluon_sm90.heuristic_tile(64 * 40, 64), gluon_sm90.heuristic_tile(64 * 100, 64)
+    assert (mid.block_m, mid.warps, mid.per_sm) == (64, warps, per_sm) and mid in GLUON_TILES
+    assert (wide.block_m, wide.warps, wide.per_sm) == (128, 8, 1) and wide in GLUON_TILES
+    assert gluon_sm90.heuristic_tile(64 * 8, 64) == gluon_sm90.PERSISTENT_16  # the 16-token tile as before
+
+
 def test_two_programs_an_sm_only_for_eight_warp_rings_that_fit_twice(monkeypatch):
     """TWO_PROGRAMS_MAXNREG caps the registers (a launch option) where two rings fit an SM's shared memory."""
     constants = lambda tile, kernel="w13": gluon_sm90.launch_constants(tile, kernel, top_k=8, group_len=128,
