@@ -51,6 +51,7 @@ if gluon_sm90.available():
         fence_async_shared,
         mbarrier,
         tma,
+        warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -58,11 +59,12 @@ if gluon_sm90.available():
     from repack.runtime.kernels.gluon_sm90 import (
         X_SMEM_LAYOUT,
         _copy_x,
-        _out_pairs,
+        _dequant_chunk,
         _step_chunks,
         _step_quant,
         _step_words,
         _zero_share,
+        a_layout,
         acc_layout,
         out_layout,
         word_layout,
@@ -107,6 +109,13 @@ W2_ROWS = 128
 # K steps of its first tile a dependent w2 program asks L2 for before it waits for w13 (:func:`_prefetch_first_steps`):
 # 8 x 8 KB a program, 34 MB for 528 programs at most, under the H100's 50 MB L2.
 PREFETCH_STEPS = 8
+# A tile of 64 or 128 tokens whose block holds few real pairs (an expert's last block: the alignment pads each
+# expert's rows to whole blocks, KERNEL_NOTES.md item 42) runs MMAs only as wide as they need: its first quarter,
+# half, half and a quarter (two accumulators), or all of it, chosen per tile from the sorted pairs (the sentinel
+# fills a block from its last real pair on). The weights are dequantized once either way; the tensor cores, the
+# limit from 64 tokens up, skip what would only be padding. Four K loops compiled per kernel; off until measured
+# (the anchor's variant ``project:gluon_ws_sm90.RAGGED_TILES=True``).
+RAGGED_TILES = False
 STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [W2_ROWS, block_m] sum)
 _STREAM_K_MIN_STEPS = gl.constexpr(STREAM_K_MIN_STEPS) if gluon_sm90.available() else None
 
@@ -213,19 +222,46 @@ if gluon_sm90.available():
                 it += 1
 
     @gluon.jit
+    def _split_chunks(low, high, x_stage, acc, acc_b, scale2, bias2, odd2, FIRST: gl.constexpr, LAST: gl.constexpr,
+                      IS_FP16: gl.constexpr, DTYPE: gl.constexpr, X_ROWS: gl.constexpr, N_A: gl.constexpr,
+                      N_B: gl.constexpr):  # fmt: skip
+        """Chunks FIRST .. LAST - 1 of a K step for the first N_A tokens of a ring of X_ROWS (``acc``) and, N_B > 0,
+        the N_B after them (``acc_b``): each chunk dequantized once, one wgmma per accumulator, this chunk's kept in
+        flight while the next is dequantized (gluon_sm90._step_chunks, whose scale-after sums this does not take)."""
+        for c in gl.static_range(FIRST, LAST):
+            words = low if c < 4 else high
+            a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, DTYPE, N_A, False)
+            x_half = x_stage.slice(c // 4 * X_ROWS, X_ROWS).slice(c % 4 * 16, 16, dim=1)
+            acc = warpgroup_mma(a, x_half.slice(0, N_A).permute((1, 0)), acc, is_async=True)
+            if N_B > 0:
+                a_b = gl.convert_layout(a, a_layout(N_B, gl.num_warps()))
+                acc_b = warpgroup_mma(a_b, x_half.slice(N_A, N_B).permute((1, 0)), acc_b, is_async=True)
+                acc, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_b])
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        return acc, acc_b
+
+    @gluon.jit
     def _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows_ok, step0, step1, stride_s_g,
                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                  SYM_ZERO: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
-        """acc [ROWS, BLOCK_M] of one tile's K steps [step0, step1) from the ring (the consumer's K loop), and the
-        ring position after it. Each stage is freed once the wgmma after its last one has been waited for (one stays
-        in flight)."""
+                  SYM_ZERO: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr,
+                  N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
+        """(acc [ROWS, N_A], acc_b [ROWS, N_B] or acc again where N_B is 0, ring position after the tile): the sums
+        of one tile's K steps [step0, step1) from the ring of BLOCK_M token rows (the consumer's K loop) for its
+        first N_A tokens and the N_B after them (:data:`RAGGED_TILES`; N_A = BLOCK_M, N_B = 0: the whole tile).
+        Each stage is freed once the wgmmas after its last ones have been waited for (one chunk's stay in
+        flight)."""
         STAGES: gl.constexpr = w_smem.shape[0]
         IS_FP16: gl.constexpr = gl.float16 == DTYPE
-        ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
+        WHOLE: gl.constexpr = N_A == BLOCK_M
+        ACC_LAYOUT: gl.constexpr = acc_layout(N_A, gl.num_warps())
         scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
         scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
-        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
-        part = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
+        acc = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)
+        part = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
+        acc_b = acc
+        if N_B > 0:
+            acc_b = gl.zeros([ROWS, N_B], gl.float32, layout=acc_layout(N_B, gl.num_warps()))
         scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok,
                                          step0 * 128 // GROUP_LEN, stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16,
                                          SCALE_AFTER)  # fmt: skip
@@ -238,52 +274,156 @@ if gluon_sm90.available():
             fence_async_shared()  # the activations came by cp.async (generic proxy); the wgmma reads them (async)
             low, high = _step_words(w_smem.index(stage), ROWS)
             x_stage = x_smem.index(stage)
-            acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 0, 1, IS_FP16, DTYPE,
-                                     BLOCK_M, SCALE_AFTER)  # fmt: skip
+            if WHOLE:
+                acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 0, 1, IS_FP16, DTYPE,
+                                         BLOCK_M, SCALE_AFTER)  # fmt: skip
+            else:
+                acc, acc_b = _split_chunks(low, high, x_stage, acc, acc_b, scale, bias2, odd2, 0, 1, IS_FP16, DTYPE,
+                                           BLOCK_M, N_A, N_B)  # fmt: skip
             # The previous step's last wgmma has retired (one stays in flight): its stage may be refilled, after
             # this warpgroup's reads of it are ordered before the TMA's writes.
             fence_async_shared()
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=step > step0)
-            acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
-                                     BLOCK_M, SCALE_AFTER)  # fmt: skip
+            if WHOLE:
+                acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
+                                         BLOCK_M, SCALE_AFTER)  # fmt: skip
+            else:
+                acc, acc_b = _split_chunks(low, high, x_stage, acc, acc_b, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
+                                           BLOCK_M, N_A, N_B)  # fmt: skip
             scale, bias2, odd2 = next_quant
             it += 1
-        if not SCALE_AFTER:
+        if N_B > 0:
+            acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_b])
+        elif not SCALE_AFTER:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            acc_b = acc
         fence_async_shared()
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))  # the tile's last stage
-        return acc, it
+        return acc, acc_b, it
+
+    @gluon.jit
+    def _tile_pairs(sorted_pairs_ptr, first, TOKENS: gl.constexpr, LAYOUT: gl.constexpr):
+        """Pairs ``first .. first + TOKENS - 1`` of the sorted order [1, TOKENS] in ``LAYOUT`` (tokens as columns)."""
+        j = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, LAYOUT))
+        return gl.expand_dims(gl.load(sorted_pairs_ptr + first + j), 0)
+
+    @gluon.jit
+    def _past(sorted_pairs_ptr, first, num_pairs):
+        """Whether sorted slot ``first`` holds a real pair: an expert's pairs fill its block from the first row, the
+        sentinel (``num_pairs``) the rest (kernels/align.py)."""
+        return gl.load(sorted_pairs_ptr + first) < num_pairs
+
+    @gluon.jit
+    def _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
+                   BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
+        """inter[pair, n] = silu(gate) * up for the TOKENS pairs from sorted slot ``first``: acc [2 * BLOCK_N,
+        TOKENS] holds the gate rows, then the up rows."""
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, TOKENS]), [1, 2, 0]))
+        # Cast, then moved to the store layout: the conversion's shared memory, which the persistent ring does not
+        # lend it, is half of fp32's (what lets a 128-token tile keep its stages).
+        act = gl.convert_layout((gate / (1.0 + gl.exp(-gate)) * up).to(inter_ptr.dtype.element_ty), OUT_LAYOUT)
+        offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        out_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, OUT_LAYOUT)
+        ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
+        mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
+        gl.store(ptrs, act, mask=mask)
+
+    @gluon.jit
+    def _w13_tile(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, channels, inter_ptr, sorted_pairs_ptr,
+                  first, pid_n, num_pairs, N, K, stride_s_g, stride_inter, GROUP_LEN: gl.constexpr,
+                  SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  SCALE_AFTER: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
+        """One w13 tile, its first N_A tokens (and the N_B after them): the sums, then their stores; the ring
+        position after it."""
+        DTYPE: gl.constexpr = x_smem.dtype
+        acc, acc_b, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, channels < N, 0,
+                                   K // 128, stride_s_g, 2 * BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO,
+                                   SCALE_AFTER, DTYPE, N_A, N_B)  # fmt: skip
+        _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A)
+        if N_B > 0:
+            _w13_store(acc_b, inter_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_inter, BLOCK_N,
+                       N_B)  # fmt: skip
+        return it
 
     @gluon.jit
     def _w13_consumer(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, inter_ptr, sorted_pairs_ptr,
                       block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g, stride_inter,
                       GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr,
-                      DTYPE: gl.constexpr):  # fmt: skip
-        """inter[pair, n] = silu(gate_n . x) * (up_n . x) for every tile of this program (gluon_sm90's epilogue)."""
+                      DTYPE: gl.constexpr, RAGGED: gl.constexpr):  # fmt: skip
+        """inter[pair, n] = silu(gate_n . x) * (up_n . x) for every tile of this program (gluon_sm90's epilogue);
+        RAGGED: each tile's MMAs as wide as its real pairs need (:data:`RAGGED_TILES`)."""
         ROWS: gl.constexpr = 2 * BLOCK_N
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
-        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WORD_LAYOUT))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
+        Q: gl.constexpr = BLOCK_M // 4
         it = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
             expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
             channels = pid_n * BLOCK_N + offs_r % BLOCK_N
             rows = channels + (offs_r // BLOCK_N) * N
-            acc, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e,
-                                zeros_ptr + expert * stride_s_e, rows, channels < N, 0, K // 128, stride_s_g, ROWS,
-                                BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
-            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
-            # Cast, then moved to the store layout: the conversion's shared memory, which the persistent ring does not
-            # lend it, is half of fp32's (what lets a 128-token tile keep its stages).
-            act = gl.convert_layout((gate / (1.0 + gl.exp(-gate)) * up).to(inter_ptr.dtype.element_ty), OUT_LAYOUT)
-            offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
-            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
-            ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
-            mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
-            gl.store(ptrs, act, mask=mask)
+            first = pid_m * BLOCK_M
+            # fmt: off
+            args = (w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e,
+                    rows, channels, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, K, stride_s_g,
+                    stride_inter)  # the runtime arguments (a tuple's constexprs would turn into tensors)
+            if RAGGED:  # as wide as the block's real pairs: all, a half and a quarter, a half, a quarter
+                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
+                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, BLOCK_M, 0)
+                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
+                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, 2 * Q, Q)
+                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
+                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, 2 * Q, 0)
+                else:
+                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, Q, 0)
+            else:
+                it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, BLOCK_M, 0)
+            # fmt: on
+
+    @gluon.jit
+    def _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
+                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
+        """out[pair or token, n] (+)= w[pair] * acc for the TOKENS pairs from sorted slot ``first``."""
+        ACC_LAYOUT: gl.constexpr = acc_layout(TOKENS, gl.num_warps())
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
+        # Weighted in the accumulator's layout and converted in the output dtype: the layout change then takes
+        # half the shared memory (a 128-row tile's fp32 [128, 16] would not leave 4 programs room on an SM).
+        acc_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, ACC_LAYOUT)
+        acc = acc * gl.load(topk_weights_ptr + acc_pairs, mask=acc_pairs < num_pairs, other=0.0)
+        acc = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_LAYOUT)
+        out_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, OUT_LAYOUT)
+        live_pairs = out_pairs < num_pairs
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        mask = gl.expand_dims(offs_n < N, 1) & live_pairs
+        if ATOMIC:
+            tokens = (out_pairs // TOP_K).to(gl.int64)
+            ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
+            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
+            gl.store(ptrs, acc, mask=mask)
+
+    @gluon.jit
+    def _w2_tile(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, step0, step1, topk_weights_ptr, out_ptr,
+                 sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_s_g, stride_out, TOP_K: gl.constexpr,
+                 GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr, ATOMIC: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SCALE_AFTER: gl.constexpr, N_A: gl.constexpr,
+                 N_B: gl.constexpr):  # fmt: skip
+        """One w2 tile's K steps [step0, step1), its first N_A tokens (and the N_B after them): the sums, then their
+        weighted stores or adds; the ring position after it."""
+        DTYPE: gl.constexpr = x_smem.dtype
+        acc, acc_b, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows < N, step0, step1,
+                                   stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE,
+                                   N_A, N_B)  # fmt: skip
+        _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, TOP_K,
+                  ATOMIC, BLOCK_N, N_A)  # fmt: skip
+        if N_B > 0:
+            _w2_store(acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N,
+                      stride_out, TOP_K, ATOMIC, BLOCK_N, N_B)  # fmt: skip
+        return it
 
     @gluon.jit
     def _w2_consumer(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
@@ -291,41 +431,42 @@ if gluon_sm90.available():
                      stride_out, TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr,
                      HAS_ZEROS: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr,
-                     STREAM_K: gl.constexpr):  # fmt: skip
+                     STREAM_K: gl.constexpr, RAGGED: gl.constexpr):  # fmt: skip
         """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for every tile (or, STREAM_K, every piece
-        of a tile: :func:`_share`) of this program."""
+        of a tile: :func:`_share`) of this program; RAGGED as the w13 consumer."""
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
-        ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
-        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
         offs_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
         num_steps = K // 128
-        first, last, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
+        first_tile, last_tile, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
+        Q: gl.constexpr = BLOCK_M // 4
         it = 0
-        for t in range(first, last, stride):
+        for t in range(first_tile, last_tile, stride):
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
             expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
-            rows = pid_n * BLOCK_N + offs_r
             step0, step1 = _tile_steps(t, num_steps, start, end)
-            acc, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e,
-                                zeros_ptr + expert * stride_s_e, rows, rows < N, step0, step1, stride_s_g, BLOCK_N,
-                                BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE)  # fmt: skip
-            # Weighted in the accumulator's layout and converted in the output dtype: the layout change then takes
-            # half the shared memory (a 128-row tile's fp32 [128, 16] would not leave 4 programs room on an SM).
-            acc_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, ACC_LAYOUT)
-            acc = acc * gl.load(topk_weights_ptr + acc_pairs, mask=acc_pairs < num_pairs, other=0.0)
-            acc = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_LAYOUT)
-            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
-            live_pairs = out_pairs < num_pairs
-            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
-            mask = gl.expand_dims(offs_n < N, 1) & live_pairs
-            if ATOMIC:
-                tokens = (out_pairs // TOP_K).to(gl.int64)
-                ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
-                gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+            first = pid_m * BLOCK_M
+            # fmt: off
+            args = (w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e,
+                    pid_n * BLOCK_N + offs_r, step0, step1, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n,
+                    num_pairs, N, stride_s_g, stride_out)  # the runtime arguments, as in the w13 consumer
+            if RAGGED:  # as wide as the block's real pairs: all, a half and a quarter, a half, a quarter
+                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
+                    it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
+                                  BLOCK_M, 0)
+                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
+                    it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
+                                  2 * Q, Q)
+                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
+                    it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
+                                  2 * Q, 0)
+                else:
+                    it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
+                                  Q, 0)
             else:
-                ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
-                gl.store(ptrs, acc, mask=mask)
+                it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
+                              BLOCK_M, 0)
+            # fmt: on
 
     @gluon.jit
     def _ring(DTYPE: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -348,7 +489,7 @@ if gluon_sm90.available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ZERO_OUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        TILES: gl.constexpr, DEPENDENT: gl.constexpr = False,
+        TILES: gl.constexpr, RAGGED: gl.constexpr = False, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """inter = silu(x W_gate^T) * (x W_up^T) over the aligned blocks; with ZERO_OUT also ``zero_ptr[:zero_numel]
         = 0`` (the target w2 adds the top-k into)."""
@@ -361,7 +502,7 @@ if gluon_sm90.available():
         gl.warp_specialize([
             (_w13_consumer, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, inter_ptr, sorted_pairs_ptr,
                              block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g, stride_inter,
-                             GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE)),
+                             GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE, RAGGED)),
             (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
                          empty, num_pairs, 2 * N, N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
                          2 * BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, False, TILES)),
@@ -375,7 +516,8 @@ if gluon_sm90.available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        STREAM_K: gl.constexpr, TILES: gl.constexpr, DEPENDENT: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+        STREAM_K: gl.constexpr, TILES: gl.constexpr, RAGGED: gl.constexpr = False, DEPENDENT: gl.constexpr = False,
+        PREFETCH: gl.constexpr = 0,
     ):  # fmt: skip
         """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
         the (tile, K step) work). A dependent launch on tiled words first asks L2 for its first PREFETCH steps."""
@@ -390,7 +532,7 @@ if gluon_sm90.available():
             (_w2_consumer, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
                             sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e,
                             stride_s_g, stride_out, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N,
-                            GROUP_M, SCALE_AFTER, DTYPE, STREAM_K)),
+                            GROUP_M, SCALE_AFTER, DTYPE, STREAM_K, RAGGED)),
             (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
                          ready, empty, num_pairs, N, N, 0, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
                          BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, STREAM_K, TILES)),
@@ -425,6 +567,12 @@ def producer_regs(tile: GluonTile) -> int:
     if tile.per_sm > 2:
         return PRODUCER_REGS
     return max(PRODUCER_REGS, WIDE_PRODUCER_REGS if tile.block_m >= 128 else ROOMY_PRODUCER_REGS)
+
+
+def ragged(tile: GluonTile, dtype: torch.dtype) -> bool:
+    """Whether ``tile``'s MMAs follow each block's real pairs (:data:`RAGGED_TILES`): tiles of 64 tokens and up
+    (a quarter is a whole 16-token MMA) whose K steps are not scaled after the sum."""
+    return RAGGED_TILES and tile.block_m >= 64 and not gluon_sm90.scale_after(tile, dtype)
 
 
 def producer_warps(tile: GluonTile) -> int:
@@ -471,7 +619,7 @@ def launch(
                   TILES=weights.tiled,
                   SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=producer_regs(tile),
                   PRODUCER_WARPS=producer_warps(tile), num_warps=tile.warps, maxnreg=tile.registers,
-                  **dependent_launches(x.device))  # fmt: skip
+                  RAGGED=ragged(tile, x.dtype), **dependent_launches(x.device))  # fmt: skip
     grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, tile.block_n), x.device, tile.per_sm),)
     _w13_ws_kernel[grid13](
         words_descriptor(weights.w13_qweight, weights.tiled), x, s13, zeros13, inter, rows.sorted_pairs,

@@ -42,7 +42,7 @@ from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90 as ws
 
 tile, act, asym = GluonTile(*json.loads(sys.argv[1])), sys.argv[2], sys.argv[3] == "1"
 producer_regs, step_sum, tiles = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
-w2_rows = int(sys.argv[7])
+w2_rows, ragged = int(sys.argv[7]), sys.argv[8] == "1"
 maxnreg = tile.registers
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32), tiles))
@@ -53,7 +53,8 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m,
                   BLOCK_N=w2_rows if name == "w2" else tile.block_n, GROUP_M=tile.group_m, STAGES=tile.stages,
                   PRODUCER_REGS=producer_regs, PRODUCER_WARPS=ws.producer_warps(tile),
-                  SCALE_AFTER=step_sum, TILES=tiles, DEPENDENT=True)  # dependent launches, as on sm_90
+                  SCALE_AFTER=step_sum, TILES=tiles, RAGGED=ragged,
+                  DEPENDENT=True)  # dependent launches, as on sm_90
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 as gluon_sm90.heuristic_reduce says
     atomic = gluon_sm90.heuristic_reduce(getattr(torch, act)) != "pairs"
     consts.update(dict(ZERO_OUT=atomic) if name == "w13" else
@@ -69,8 +70,8 @@ print(json.dumps(report))
 """
 
 
-def _cases() -> list[tuple[GluonTile, str, bool, int, bool, bool, int]]:
-    """(tile, activations, zero points, producer registers, step-scaled sum, tiled words, w2's rows): every
+def _cases() -> list[tuple[GluonTile, str, bool, int, bool, bool, int, bool]]:
+    """(tile, activations, zero points, producer registers, step-scaled sum, tiled words, w2's rows, ragged): every
     warp-specialized tile `repack tune` may pick (the heuristic's among them) and the probe's other ring depths and
     register caps (benchmarks/probe_gluon_ws.py) in fp16; bf16's step-scaled sum at 64 registers
     (gluon_sm90.persistent_fits admits it beside the 32-register producer), fp16's there too
@@ -78,12 +79,24 @@ def _cases() -> list[tuple[GluonTile, str, bool, int, bool, bool, int]]:
     spills); and the 40-register producer's fp16 path, the one measured before it (KERNEL_NOTES.md item 27); all of
     them on "mma128_tiles" words (what the converter writes), and the "mma128" rows of version-2 checkpoints in fp16
     and bf16; w2's tile of 64 rows (gluon_ws_sm90.W2_ROWS before item 29) in fp16. The 32- to 128-token tiles (one
-    or two consumer warpgroups, a producer warpgroup) also in bf16 and with zero points."""
+    or two consumer warpgroups, a producer warpgroup) also in bf16 and with zero points; the 64- and 128-token ones
+    with their MMAs as wide as each block's pairs (gluon_ws_sm90.RAGGED_TILES) in fp16 and bf16."""
     shipped = [t for t in GLUON_TILES if t.per_sm]
     # 3 programs of 6 stages (item 25's ws-3-6) need 231 KB of an SM's 228: the SM ran 2 of them; 5 stages fit.
     probed = [GluonTile(16, 64, 1, 5, per_sm=3), GluonTile(16, 64, 1, 8, per_sm=2)]
-    wide, four = GluonTile(16, 64, 1, 4, per_sm=3), GluonTile(16, 64, 1, 4, per_sm=4)
+    ragged = [
+        (t, act, False, producer_regs(t), False, True, w2_rows(t), True)
+        for t in shipped
+        if t.block_m >= 64
+        for act in ("float16", "bfloat16")
+    ]
+    return [(*case, False) for case in _plain_cases(shipped, probed)] + ragged
+
+
+def _plain_cases(shipped: list[GluonTile], probed: list[GluonTile]) -> list[tuple]:
+    """:func:`_cases` but the ragged ones (without the ragged flag)."""
     regs = PRODUCER_REGS
+    wide, four = GluonTile(16, 64, 1, 4, per_sm=3), GluonTile(16, 64, 1, 4, per_sm=4)
     wider = [t for t in shipped if t.block_m > 16]  # the 32- to 128-token tiles: bf16 and zero points too
     return [(t, "float16", False, producer_regs(t), False, True, w2_rows(t)) for t in shipped + probed] + [
         *[(t, "bfloat16", False, producer_regs(t), scale_after(t, torch.bfloat16), True, w2_rows(t)) for t in wider],
@@ -122,15 +135,15 @@ def test_k_loop_spill_finder_reads_loops_from_sass():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("tile", "act", "asym", "producer_regs", "step_sum", "tiles", "w2_rows"),
+    ("tile", "act", "asym", "producer_regs", "step_sum", "tiles", "w2_rows", "ragged"),
     _cases(),
     ids=lambda v: str(v.to_list()) if isinstance(v, GluonTile) else str(v),
 )
-def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_regs, step_sum, tiles, w2_rows):
+def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_regs, step_sum, tiles, w2_rows, ragged):
     env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
     maxnreg = tile.registers
     flags = ["1" if asym else "0", str(producer_regs), "1" if step_sum else "0", "1" if tiles else "0"]
-    flags.append(str(w2_rows))
+    flags += [str(w2_rows), "1" if ragged else "0"]
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(tile.to_list()), act, *flags],
         capture_output=True,
@@ -142,15 +155,18 @@ def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_reg
     for name, kernel in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         where = f"{name} {tile} {act}{' asym' if asym else ''} maxnreg={maxnreg} producer={producer_regs}"
         where += " tiles" if tiles else " rows"
-        where += f" w2 rows {w2_rows}"
+        where += f" w2 rows {w2_rows}" + (" ragged" if ragged else "")
         ptx = kernel["ptx"]
         # per_sm programs share one SM's shared memory, each with the 1 KB the driver reserves per block
         per_sm = tile.per_sm * (kernel["shared"] + SM90_BLOCK_RESERVED)
         assert per_sm <= SM90_SHARED_PER_SM, f"{where}: {per_sm} bytes of shared memory on an SM"
         spills = ptxas_spills(ptx)
-        if (act, step_sum, tiles, tile.per_sm) == ("bfloat16", True, True, 4):
-            # ptxas spills a few loop-invariant fragment offsets of this consumer (at its 104 registers) once per tile
-            # when the producer reads tiles (KERNEL_NOTES.md item 30): bounded, and never inside the K loop
+        # ptxas spills a few loop-invariant values once per tile, never inside a K loop: bf16's step-sum consumer at
+        # its 104 registers when the producer reads tiles (KERNEL_NOTES.md item 30), and the ragged 128-token bf16
+        # w13 (four K loops; 8 bytes at a consumer of 224 registers, KERNEL_NOTES.md item 44)
+        step_sum_four = (act, step_sum, tiles, tile.per_sm) == ("bfloat16", True, True, 4)
+        ragged_wide_bf16 = ragged and act == "bfloat16" and tile.block_m == 128
+        if step_sum_four or ragged_wide_bf16:
             assert spills <= KNOWN_TILE_SPILL_BYTES, f"{where}: {spills} bytes of spills"
             assert local_memory_in_mma_loops(ptx) == 0, f"{where}: spills inside the K loop"
         else:
@@ -169,5 +185,10 @@ def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_reg
         assert ("prefetch.global.L2" in ptx) == (l2_reads > 0), f"{where}: the L2 prefetch"
         assert "cp.async.mbarrier.arrive" in ptx, f"{where}: the activations' copies do not complete the stage"
         assert [n for n in loop_waits(ptx) if n >= 1], f"{where}: no wgmma in flight in the K loop"
+        # Ragged: the whole tile's MMA, a half's, a quarter's, and the half-and-quarter path's two kept in flight.
+        widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)}
+        expected_widths = {tile.block_m, tile.block_m // 2, tile.block_m // 4} if ragged else {tile.block_m}
+        assert widths == expected_widths, f"{where}: wgmma widths {sorted(widths)}"
+        assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == ragged, f"{where}: two accumulators in flight"
         atomics = re.findall(r"\batom\.[\w.]+", ptx)
         assert all(".relaxed." in a for a in atomics), f"{where}: ordered atomics ({atomics})"

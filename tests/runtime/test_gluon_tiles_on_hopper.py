@@ -1,0 +1,78 @@
+"""Every Gluon sm_90 tile `repack tune` searches (tune.GLUON_TILES: one program per tile, and the warp-specialized
+persistent kernels of 16 to 128 tokens), and the 64- and 128-token ones with their MMAs as wide as each block's pairs
+(gluon_ws_sm90.RAGGED_TILES), against the float32 reference built from the source GPTQ linears.
+
+On a Hopper GPU only: Gluon has no interpreter, so on the CPU the compile tests (test_gluon_compile_sm90.py,
+test_gluon_ws_compile_sm90.py) hold these kernels to their instructions and this file is where their numbers are
+checked, in the device runs (`pytest tests/runtime/test_gluon_tiles_on_hopper.py`). The routing gives the eight
+experts 1 to 200 rows each, so blocks of 16 to 128 tokens end full, three-quarters, half and a quarter full or
+emptier: every width a ragged tile chooses, and the last block of each expert padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from repack.formats.gptq import GptqScheme
+from repack.runtime.fused_moe import fused_moe
+from repack.runtime.kernel_config import GluonTile
+from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90
+from repack.runtime.tune import GLUON_CONFIGS
+from tests.runtime.test_fused_moe import reference, relative_error
+from tests.support.stacks import make_stack, on_device
+
+ROWS_PER_EXPERT = (1, 17, 33, 49, 65, 97, 128, 200)  # 590 pairs, one per token (top-1)
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 5e-3}  # relative to float32, as the other fused_moe tests
+
+
+def _hopper_with_gluon() -> bool:
+    return torch.cuda.is_available() and gluon_sm90.runs_on(torch.device("cuda"))
+
+
+pytestmark = pytest.mark.skipif(not _hopper_with_gluon(), reason="Gluon kernels: a compute capability 9.0 GPU only")
+
+
+@pytest.fixture(scope="module")
+def case():
+    """(stack on the GPU, x, ids, routing weights, float32 reference): H = 512 and I = 256 give w13 and w2 two
+    tiles of the widest rows (256) and two K steps (w2) to four (w13)."""
+    scheme = GptqScheme(4, 128, True, "gptq")
+    weights, sources = make_stack(8, 512, 256, scheme, word_order="mma128_tiles")
+    gen = torch.Generator().manual_seed(43)
+    experts = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(ROWS_PER_EXPERT)])
+    ids = experts[torch.randperm(experts.numel(), generator=gen)][:, None]
+    route_w = torch.rand(ids.shape, generator=gen) + 0.5
+    x = torch.randn(ids.shape[0], 512, generator=gen).to(torch.float16)
+    expected = reference(x, sources, scheme, ids, route_w)
+    return on_device(weights, "cuda"), x, ids, route_w, expected
+
+
+def _error(case, tile: GluonTile, dtype: torch.dtype) -> float:
+    weights, x, ids, route_w, expected = case
+    config = next(c for c in GLUON_CONFIGS if c.gluon == tile)
+    config = replace(config, reduce=gluon_sm90.heuristic_reduce(dtype))  # fp16: added into the output, as shipped
+    got = fused_moe(x.to(dtype).cuda(), weights, ids.cuda(), route_w.cuda(), config=config)
+    return relative_error(got.float().cpu(), expected)
+
+
+def _misses(case, tiles: list[GluonTile]) -> list[tuple[list[int], str, float]]:
+    """(tile, dtype, error) of every tile and activation dtype past its tolerance."""
+    errors = [(t, d, _error(case, t, d)) for t in tiles for d in TOLERANCE]
+    return [(t.to_list(), str(d), e) for t, d, e in errors if not e <= TOLERANCE[d]]
+
+
+def test_on_hopper_every_gluon_tile_computes_the_reference(case):
+    assert not _misses(case, [c.gluon for c in GLUON_CONFIGS])
+
+
+def test_on_hopper_ragged_persistent_tiles_compute_the_reference(monkeypatch, case):
+    """RAGGED_TILES on, and w2 persistent at this short K too (W2_PERSISTENT_MIN_K = 0): both consumers' four
+    widths, in the 64- and 128-token persistent tiles."""
+    monkeypatch.setattr(gluon_ws_sm90, "RAGGED_TILES", True)
+    monkeypatch.setattr(gluon_ws_sm90, "W2_PERSISTENT_MIN_K", 0)
+    tiles = [c.gluon for c in GLUON_CONFIGS if c.gluon.per_sm and c.gluon.block_m >= 64]
+    assert len(tiles) == 3 and all(gluon_ws_sm90.ragged(t, d) for t in tiles for d in TOLERANCE)
+    assert not _misses(case, tiles)
