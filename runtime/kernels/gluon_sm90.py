@@ -86,6 +86,13 @@ SCALE_AFTER_MAX_BLOCK_M = 32  # bf16 token tiles up to this scale each K step's 
 # against 316.5; the consumer waits on latency, not issue: KERNEL_NOTES.md items 23, 27), so off; probe_gluon_ws's
 # "-sa" variants switch it on.
 SCALE_AFTER_FP16_PERSISTENT = False
+# A tile of 64 or 128 tokens whose block holds few real pairs (an expert's last block: the alignment pads each
+# expert's rows to whole blocks, KERNEL_NOTES.md item 42) runs MMAs only as wide as they need: its first quarter,
+# half, half and a quarter (two accumulators), or all of it, chosen per tile from the sorted pairs (the sentinel
+# fills a block from its last real pair on). The weights are dequantized once either way; the tensor cores, the
+# limit from 64 tokens up, skip what would only be padding. Four K loops compiled per kernel; off until measured
+# (the anchor's variant ``project:gluon_sm90.RAGGED_TILES=True``).
+RAGGED_TILES = False
 
 
 def available() -> bool:
@@ -442,6 +449,26 @@ if available():
         return x_stage.slice(c // 4 * BLOCK_M, BLOCK_M).slice(c % 4 * 16, 16, dim=1).permute((1, 0))
 
     @gluon.jit
+    def _split_chunks(low, high, x_stage, acc, acc_b, scale2, bias2, odd2, FIRST: gl.constexpr, LAST: gl.constexpr,
+                      IS_FP16: gl.constexpr, DTYPE: gl.constexpr, X_ROWS: gl.constexpr, N_A: gl.constexpr,
+                      N_B: gl.constexpr):  # fmt: skip
+        """Chunks FIRST .. LAST - 1 of a K step for the first N_A tokens of a ring of X_ROWS (``acc``) and, N_B > 0,
+        the N_B after them (``acc_b``): each chunk dequantized once, one wgmma per accumulator, this chunk's kept in
+        flight while the next is dequantized (:func:`_step_chunks`, whose scale-after sums this does not take)."""
+        for c in gl.static_range(FIRST, LAST):
+            words = low if c < 4 else high
+            a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, DTYPE, N_A, False)
+            x_half = x_stage.slice(c // 4 * X_ROWS, X_ROWS).slice(c % 4 * 16, 16, dim=1)
+            acc = warpgroup_mma(a, x_half.slice(0, N_A).permute((1, 0)), acc, is_async=True)
+            if N_B > 0:
+                a_b = gl.convert_layout(a, a_layout(N_B, gl.num_warps()))
+                acc_b = warpgroup_mma(a_b, x_half.slice(N_A, N_B).permute((1, 0)), acc_b, is_async=True)
+                acc, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_b])
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        return acc, acc_b
+
+    @gluon.jit
     def _copy_step(w_stage, x_stage, w_rows, w_ok, stride_step, token_rows, pair_mask, perm_row_ptr, k0,
                    BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr):  # fmt: skip
         """cp.async one K step into a ring stage, as one commit group: the [rows, 16] words (16 bytes a thread) and
@@ -455,8 +482,11 @@ if available():
     def _k_loop(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask, perm_row_ptr,
                 K, stride_s_g, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
                 HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr,
-                STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr):  # fmt: skip
-        """acc [ROWS, BLOCK_M] = W[rows, :] @ X[:, pairs] for one program: the loop both GEMMs share.
+                STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, N_A: gl.constexpr,
+                N_B: gl.constexpr):  # fmt: skip
+        """(acc [ROWS, N_A], acc_b [ROWS, N_B] or acc again where N_B is 0) = W[rows, :] @ X[:, pairs] for one
+        program's first N_A pairs and the N_B after them (N_A = BLOCK_M: the whole block; :data:`RAGGED_TILES`): the
+        loop both GEMMs share.
 
         A ring of STAGES K steps (words and activations, cp.async) runs STAGES - 2 steps ahead of the MMAs: the
         bytes in flight, not the MMA, set the speed of a memory-bound GEMM. ``w_rows`` [ROWS, 1] points at each
@@ -466,11 +496,15 @@ if available():
         IS_FP16: gl.constexpr = dtype == gl.float16
         x_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_SMEM_LAYOUT)
-        ACC_LAYOUT: gl.constexpr = acc_layout(BLOCK_M, gl.num_warps())
+        WHOLE: gl.constexpr = N_A == BLOCK_M
+        ACC_LAYOUT: gl.constexpr = acc_layout(N_A, gl.num_warps())
         scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
         scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
-        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)
-        part = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
+        acc = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)
+        part = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
+        acc_b = acc
+        if N_B > 0:
+            acc_b = gl.zeros([ROWS, N_B], gl.float32, layout=acc_layout(N_B, gl.num_warps()))
         scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, 0, stride_s_g,
                                          HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
         num_steps = K // 128  # steps clamp in step units: their word offsets stay 64-byte aligned (16-byte copies)
@@ -495,15 +529,22 @@ if available():
             async_copy.commit_group()
             here = step % STAGES
             low, high = _step_words(w_smem.index(here), ROWS)
-            acc, step_part = _step_chunks(low, high, x_smem.index(here), acc, part, scale, bias2, odd2, 0, 8, IS_FP16,
-                                          dtype, BLOCK_M, SCALE_AFTER)  # fmt: skip
-            if SCALE_AFTER:  # otherwise ``part`` stays out of the loop's carried values
-                part = step_part
+            if WHOLE:
+                acc, step_part = _step_chunks(low, high, x_smem.index(here), acc, part, scale, bias2, odd2, 0, 8,
+                                              IS_FP16, dtype, BLOCK_M, SCALE_AFTER)  # fmt: skip
+                if SCALE_AFTER:  # otherwise ``part`` stays out of the loop's carried values
+                    part = step_part
+            else:
+                acc, acc_b = _split_chunks(low, high, x_smem.index(here), acc, acc_b, scale, bias2, odd2, 0, 8,
+                                           IS_FP16, dtype, BLOCK_M, N_A, N_B)  # fmt: skip
             scale, bias2, odd2 = next_quant
-        if not SCALE_AFTER:
+        if N_B > 0:
+            acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_b])
+        elif not SCALE_AFTER:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            acc_b = acc
         async_copy.wait_group(0)
-        return acc
+        return acc, acc_b
 
     @gluon.jit
     def _block(pid, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pid_m, N, BLOCK_M: gl.constexpr,
@@ -521,10 +562,61 @@ if available():
         return pid_m, pid_n, pairs, expert, live
 
     @gluon.jit
-    def _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M: gl.constexpr, OUT_LAYOUT: gl.constexpr):
-        """The block's pairs [1, BLOCK_M] in the epilogue layout."""
-        j = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        return gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + j), 0)
+    def _tile_pairs(sorted_pairs_ptr, first, TOKENS: gl.constexpr, LAYOUT: gl.constexpr):
+        """Pairs ``first .. first + TOKENS - 1`` of the sorted order [1, TOKENS] in ``LAYOUT`` (tokens as columns)."""
+        j = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, LAYOUT))
+        return gl.expand_dims(gl.load(sorted_pairs_ptr + first + j), 0)
+
+    @gluon.jit
+    def _past(sorted_pairs_ptr, first, num_pairs):
+        """Whether sorted slot ``first`` holds a real pair: an expert's pairs fill its block from the first row, the
+        sentinel (``num_pairs``) the rest (kernels/align.py)."""
+        return gl.load(sorted_pairs_ptr + first) < num_pairs
+
+    @gluon.jit
+    def _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
+                   BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, CAST_FIRST: gl.constexpr):  # fmt: skip
+        """inter[pair, n] = silu(gate) * up for the TOKENS pairs from sorted slot ``first``: acc [2 * BLOCK_N,
+        TOKENS] holds the gate rows, then the up rows. CAST_FIRST: cast before the move to the store layout, whose
+        shared memory is then half of fp32's: the persistent kernels' ring does not lend it its own (what lets a
+        128-token tile keep four stages); one program a tile reuses its ring, and there the cast after the move
+        spills no register (8 bytes spilled the other way: bf16, zero points, the 128-token tile)."""
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, TOKENS]), [1, 2, 0]))
+        act = gate / (1.0 + gl.exp(-gate)) * up
+        if CAST_FIRST:
+            act = gl.convert_layout(act.to(inter_ptr.dtype.element_ty), OUT_LAYOUT)
+        else:
+            act = gl.convert_layout(act, OUT_LAYOUT).to(inter_ptr.dtype.element_ty)
+        offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        out_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, OUT_LAYOUT)
+        ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
+        mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
+        gl.store(ptrs, act, mask=mask)
+
+    @gluon.jit
+    def _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
+                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
+        """out[pair or token, n] (+)= w[pair] * acc for the TOKENS pairs from sorted slot ``first``."""
+        ACC_LAYOUT: gl.constexpr = acc_layout(TOKENS, gl.num_warps())
+        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
+        # Weighted in the accumulator's layout and converted in the output dtype: the layout change then takes
+        # half the shared memory (a 128-row tile's fp32 [128, 16] would not leave 4 programs room on an SM).
+        acc_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, ACC_LAYOUT)
+        acc = acc * gl.load(topk_weights_ptr + acc_pairs, mask=acc_pairs < num_pairs, other=0.0)
+        acc = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_LAYOUT)
+        out_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, OUT_LAYOUT)
+        live_pairs = out_pairs < num_pairs
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        mask = gl.expand_dims(offs_n < N, 1) & live_pairs
+        if ATOMIC:
+            tokens = (out_pairs // TOP_K).to(gl.int64)
+            ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
+            # relaxed: the default acq_rel put a MEMBAR.GPU before every vector add (KERNEL_NOTES item 18)
+            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
+            gl.store(ptrs, acc, mask=mask)
 
     @gluon.jit
     def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row):
@@ -550,6 +642,38 @@ if available():
             gl.store(ptr + idx, gl.zeros([ZERO_BLOCK], ptr.dtype.element_ty, ZERO_LAYOUT), mask=idx < end)
 
     @gluon.jit
+    def _w13_block(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
+                   perm_row_ptr, K, stride_s_g, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
+                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                   SYM_ZERO: gl.constexpr, HAS_PERM: gl.constexpr, STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr,
+                   BLOCK_N: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
+        """One w13 program: the K loop for its first N_A pairs (and the N_B after them), then their stores."""
+        acc, acc_b = _k_loop(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
+                             perm_row_ptr, K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM,
+                             STAGES, SCALE_AFTER, N_A, N_B)  # fmt: skip
+        _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A, False)
+        if N_B > 0:
+            _w13_store(acc_b, inter_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_inter, BLOCK_N,
+                       N_B, False)  # fmt: skip
+
+    @gluon.jit
+    def _w2_block(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
+                  perm_row_ptr, K, stride_s_g, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs,
+                  N, stride_out, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
+                  HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr,
+                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
+        """One w2 program: the K loop for its first N_A pairs (and the N_B after them), then their weighted stores
+        or adds."""
+        acc, acc_b = _k_loop(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
+                             perm_row_ptr, K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False,
+                             STAGES, SCALE_AFTER, N_A, N_B)  # fmt: skip
+        _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, TOP_K,
+                  ATOMIC, ROWS, N_A)  # fmt: skip
+        if N_B > 0:
+            _w2_store(acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N,
+                      stride_out, TOP_K, ATOMIC, ROWS, N_B)  # fmt: skip
+
+    @gluon.jit
     def _w13_kernel(
         x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, inter_ptr,
         sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, zero_ptr,
@@ -558,13 +682,14 @@ if available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         HAS_PERM: gl.constexpr, ZERO_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-        SCALE_AFTER: gl.constexpr, DEPENDENT: gl.constexpr = False,
+        SCALE_AFTER: gl.constexpr, RAGGED: gl.constexpr = False, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
         """inter[pair, n] = silu(gate_n . x) * (up_n . x): gate rows then up rows of BLOCK_N channels form one
-        A tile of 2 * BLOCK_N rows, split by the epilogue. With ZERO_OUT, also ``zero_ptr[:zero_numel] = 0``."""
+        A tile of 2 * BLOCK_N rows, split by the epilogue. With ZERO_OUT, also ``zero_ptr[:zero_numel] = 0``.
+        RAGGED: the MMAs as wide as the block's real pairs (:data:`RAGGED_TILES`)."""
         ROWS: gl.constexpr = 2 * BLOCK_N
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
-        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
+        Q: gl.constexpr = BLOCK_M // 4
         await_previous_kernel(DEPENDENT)
         if ZERO_OUT:
             _zero_share(zero_ptr, zero_numel)
@@ -579,17 +704,29 @@ if available():
             rows_ok = channels < N
             w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row)
             token_rows = x_ptr + (pairs // TOP_K).to(gl.int64) * stride_x
-            acc = _k_loop(w_rows, w_ok, stride_qw_step, rows_ok, scales_ptr + expert * stride_s_e,
-                          zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K,
-                          K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM,
-                          STAGES, SCALE_AFTER)  # fmt: skip
-            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
-            act = gl.convert_layout(gate / (1.0 + gl.exp(-gate)) * up, OUT_LAYOUT)
-            offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
-            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
-            ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
-            mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
-            gl.store(ptrs, act.to(inter_ptr.dtype.element_ty), mask=mask)
+            first = pid_m * BLOCK_M
+            # fmt: off
+            args = (w_rows, w_ok, stride_qw_step, rows_ok, scales_ptr + expert * stride_s_e,
+                    zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K, K,
+                    stride_s_g, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N,
+                    stride_inter)  # the runtime arguments (a tuple's constexprs would turn into tensors)
+            if RAGGED:  # as wide as the block's real pairs: all, a half and a quarter, a half, a quarter
+                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
+                    _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
+                               BLOCK_N, BLOCK_M, 0)
+                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
+                    _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
+                               BLOCK_N, 2 * Q, Q)
+                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
+                    _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
+                               BLOCK_N, 2 * Q, 0)
+                else:
+                    _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
+                               BLOCK_N, Q, 0)
+            else:
+                _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
+                           BLOCK_N, BLOCK_M, 0)
+            # fmt: on
 
     @gluon.jit
     def _w2_kernel(
@@ -600,12 +737,12 @@ if available():
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-        SCALE_AFTER: gl.constexpr, DEPENDENT: gl.constexpr = False,
+        SCALE_AFTER: gl.constexpr, RAGGED: gl.constexpr = False, DEPENDENT: gl.constexpr = False,
     ):  # fmt: skip
-        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n]."""
+        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (RAGGED: as the w13 kernel)."""
         await_previous_kernel(DEPENDENT)
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
-        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, BLOCK_M, gl.num_warps())
+        Q: gl.constexpr = BLOCK_M // 4
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
                                                    num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)  # fmt: skip
@@ -615,25 +752,29 @@ if available():
             rows_ok = rows < N
             w_rows, w_ok = _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row)
             token_rows = inter_ptr + pairs.to(gl.int64) * stride_inter
-            acc = _k_loop(w_rows, w_ok, stride_qw_step, rows_ok, scales_ptr + expert * stride_s_e,
-                          zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K,
-                          stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False,
-                          STAGES, SCALE_AFTER)  # fmt: skip
-            acc = gl.convert_layout(acc, OUT_LAYOUT)
-            out_pairs = _out_pairs(sorted_pairs_ptr, pid_m, BLOCK_M, OUT_LAYOUT)
-            live_pairs = out_pairs < num_pairs
-            route_w = gl.load(topk_weights_ptr + out_pairs, mask=live_pairs, other=0.0)
-            acc = acc * route_w
-            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
-            mask = gl.expand_dims(offs_n < N, 1) & live_pairs
-            if ATOMIC:
-                tokens = (out_pairs // TOP_K).to(gl.int64)
-                # relaxed: the default acq_rel put a MEMBAR.GPU before every vector add (KERNEL_NOTES item 18)
-                ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
-                gl.atomic_add(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+            first = pid_m * BLOCK_M
+            # fmt: off
+            args = (w_rows, w_ok, stride_qw_step, rows_ok, scales_ptr + expert * stride_s_e,
+                    zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K, stride_s_g,
+                    topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N,
+                    stride_out)  # the runtime arguments, as in the w13 kernel
+            if RAGGED:  # as the w13 kernel
+                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
+                    _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
+                              ATOMIC, BLOCK_M, 0)
+                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
+                    _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
+                              ATOMIC, 2 * Q, Q)
+                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
+                    _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
+                              ATOMIC, 2 * Q, 0)
+                else:
+                    _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
+                              ATOMIC, Q, 0)
             else:
-                ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
-                gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K, ATOMIC,
+                          BLOCK_M, 0)
+            # fmt: on
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -649,6 +790,12 @@ def scale_after(tile: GluonTile, dtype: torch.dtype) -> bool:
     (benchmarks/KERNEL_NOTES.md item 20), unless :data:`SCALE_AFTER_FP16_PERSISTENT` asks it of the persistent tiles."""
     scaled = dtype == torch.bfloat16 or (SCALE_AFTER_FP16_PERSISTENT and tile.per_sm > 0)
     return scaled and tile.block_m <= SCALE_AFTER_MAX_BLOCK_M
+
+
+def ragged(tile: GluonTile, dtype: torch.dtype) -> bool:
+    """Whether ``tile``'s MMAs follow each block's real pairs (:data:`RAGGED_TILES`): tiles of 64 tokens and up
+    (a quarter is a whole 16-token MMA) whose K steps are not scaled after the sum."""
+    return RAGGED_TILES and tile.block_m >= 64 and not scale_after(tile, dtype)
 
 
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,
@@ -668,6 +815,7 @@ def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int
         GROUP_M=tile.group_m,
         STAGES=tile.stages,
         SCALE_AFTER=scale_after(tile, dtype),
+        RAGGED=ragged(tile, dtype),
         num_warps=tile.warps,
         **({"maxnreg": TWO_PROGRAMS_MAXNREG} if two_programs(tile, kernel) else {}),
     )

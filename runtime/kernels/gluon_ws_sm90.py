@@ -51,7 +51,6 @@ if gluon_sm90.available():
         fence_async_shared,
         mbarrier,
         tma,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -59,14 +58,15 @@ if gluon_sm90.available():
     from repack.runtime.kernels.gluon_sm90 import (
         X_SMEM_LAYOUT,
         _copy_x,
-        _dequant_chunk,
+        _past,
+        _split_chunks,
         _step_chunks,
         _step_quant,
         _step_words,
+        _w2_store,
+        _w13_store,
         _zero_share,
-        a_layout,
         acc_layout,
-        out_layout,
         word_layout,
         x_layout,
         x_parts,
@@ -109,13 +109,6 @@ W2_ROWS = 128
 # K steps of its first tile a dependent w2 program asks L2 for before it waits for w13 (:func:`_prefetch_first_steps`):
 # 8 x 8 KB a program, 34 MB for 528 programs at most, under the H100's 50 MB L2.
 PREFETCH_STEPS = 8
-# A tile of 64 or 128 tokens whose block holds few real pairs (an expert's last block: the alignment pads each
-# expert's rows to whole blocks, KERNEL_NOTES.md item 42) runs MMAs only as wide as they need: its first quarter,
-# half, half and a quarter (two accumulators), or all of it, chosen per tile from the sorted pairs (the sentinel
-# fills a block from its last real pair on). The weights are dequantized once either way; the tensor cores, the
-# limit from 64 tokens up, skip what would only be padding. Four K loops compiled per kernel; off until measured
-# (the anchor's variant ``project:gluon_ws_sm90.RAGGED_TILES=True``).
-RAGGED_TILES = False
 STREAM_K_MIN_STEPS = 4  # the least K steps a program takes (each range's epilogue adds a [W2_ROWS, block_m] sum)
 _STREAM_K_MIN_STEPS = gl.constexpr(STREAM_K_MIN_STEPS) if gluon_sm90.available() else None
 
@@ -222,34 +215,14 @@ if gluon_sm90.available():
                 it += 1
 
     @gluon.jit
-    def _split_chunks(low, high, x_stage, acc, acc_b, scale2, bias2, odd2, FIRST: gl.constexpr, LAST: gl.constexpr,
-                      IS_FP16: gl.constexpr, DTYPE: gl.constexpr, X_ROWS: gl.constexpr, N_A: gl.constexpr,
-                      N_B: gl.constexpr):  # fmt: skip
-        """Chunks FIRST .. LAST - 1 of a K step for the first N_A tokens of a ring of X_ROWS (``acc``) and, N_B > 0,
-        the N_B after them (``acc_b``): each chunk dequantized once, one wgmma per accumulator, this chunk's kept in
-        flight while the next is dequantized (gluon_sm90._step_chunks, whose scale-after sums this does not take)."""
-        for c in gl.static_range(FIRST, LAST):
-            words = low if c < 4 else high
-            a = _dequant_chunk(words, c % 4, scale2, bias2, odd2, IS_FP16, DTYPE, N_A, False)
-            x_half = x_stage.slice(c // 4 * X_ROWS, X_ROWS).slice(c % 4 * 16, 16, dim=1)
-            acc = warpgroup_mma(a, x_half.slice(0, N_A).permute((1, 0)), acc, is_async=True)
-            if N_B > 0:
-                a_b = gl.convert_layout(a, a_layout(N_B, gl.num_warps()))
-                acc_b = warpgroup_mma(a_b, x_half.slice(N_A, N_B).permute((1, 0)), acc_b, is_async=True)
-                acc, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_b])
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        return acc, acc_b
-
-    @gluon.jit
     def _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows_ok, step0, step1, stride_s_g,
                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr, HAS_ZEROS: gl.constexpr,
                   SYM_ZERO: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr,
                   N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
         """(acc [ROWS, N_A], acc_b [ROWS, N_B] or acc again where N_B is 0, ring position after the tile): the sums
         of one tile's K steps [step0, step1) from the ring of BLOCK_M token rows (the consumer's K loop) for its
-        first N_A tokens and the N_B after them (:data:`RAGGED_TILES`; N_A = BLOCK_M, N_B = 0: the whole tile).
-        Each stage is freed once the wgmmas after its last ones have been waited for (one chunk's stay in
+        first N_A tokens and the N_B after them (:data:`gluon_sm90.RAGGED_TILES`; N_A = BLOCK_M, N_B = 0: the whole
+        tile). Each stage is freed once the wgmmas after its last ones have been waited for (one chunk's stay in
         flight)."""
         STAGES: gl.constexpr = w_smem.shape[0]
         IS_FP16: gl.constexpr = gl.float16 == DTYPE
@@ -302,34 +275,6 @@ if gluon_sm90.available():
         return acc, acc_b, it
 
     @gluon.jit
-    def _tile_pairs(sorted_pairs_ptr, first, TOKENS: gl.constexpr, LAYOUT: gl.constexpr):
-        """Pairs ``first .. first + TOKENS - 1`` of the sorted order [1, TOKENS] in ``LAYOUT`` (tokens as columns)."""
-        j = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, LAYOUT))
-        return gl.expand_dims(gl.load(sorted_pairs_ptr + first + j), 0)
-
-    @gluon.jit
-    def _past(sorted_pairs_ptr, first, num_pairs):
-        """Whether sorted slot ``first`` holds a real pair: an expert's pairs fill its block from the first row, the
-        sentinel (``num_pairs``) the rest (kernels/align.py)."""
-        return gl.load(sorted_pairs_ptr + first) < num_pairs
-
-    @gluon.jit
-    def _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
-                   BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
-        """inter[pair, n] = silu(gate) * up for the TOKENS pairs from sorted slot ``first``: acc [2 * BLOCK_N,
-        TOKENS] holds the gate rows, then the up rows."""
-        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
-        gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, TOKENS]), [1, 2, 0]))
-        # Cast, then moved to the store layout: the conversion's shared memory, which the persistent ring does not
-        # lend it, is half of fp32's (what lets a 128-token tile keep its stages).
-        act = gl.convert_layout((gate / (1.0 + gl.exp(-gate)) * up).to(inter_ptr.dtype.element_ty), OUT_LAYOUT)
-        offs_p = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
-        out_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, OUT_LAYOUT)
-        ptrs = inter_ptr + out_pairs.to(gl.int64) * stride_inter + gl.expand_dims(offs_p, 1)
-        mask = gl.expand_dims(offs_p < N, 1) & (out_pairs < num_pairs)
-        gl.store(ptrs, act, mask=mask)
-
-    @gluon.jit
     def _w13_tile(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, channels, inter_ptr, sorted_pairs_ptr,
                   first, pid_n, num_pairs, N, K, stride_s_g, stride_inter, GROUP_LEN: gl.constexpr,
                   SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -340,10 +285,10 @@ if gluon_sm90.available():
         acc, acc_b, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, channels < N, 0,
                                    K // 128, stride_s_g, 2 * BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO,
                                    SCALE_AFTER, DTYPE, N_A, N_B)  # fmt: skip
-        _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A)
+        _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A, True)
         if N_B > 0:
             _w13_store(acc_b, inter_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_inter, BLOCK_N,
-                       N_B)  # fmt: skip
+                       N_B, True)  # fmt: skip
         return it
 
     @gluon.jit
@@ -353,7 +298,7 @@ if gluon_sm90.available():
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr,
                       DTYPE: gl.constexpr, RAGGED: gl.constexpr):  # fmt: skip
         """inter[pair, n] = silu(gate_n . x) * (up_n . x) for every tile of this program (gluon_sm90's epilogue);
-        RAGGED: each tile's MMAs as wide as its real pairs need (:data:`RAGGED_TILES`)."""
+        RAGGED: each tile's MMAs as wide as its real pairs need (:data:`gluon_sm90.RAGGED_TILES`)."""
         ROWS: gl.constexpr = 2 * BLOCK_N
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WORD_LAYOUT))
@@ -382,29 +327,6 @@ if gluon_sm90.available():
             else:
                 it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, BLOCK_M, 0)
             # fmt: on
-
-    @gluon.jit
-    def _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
-                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
-        """out[pair or token, n] (+)= w[pair] * acc for the TOKENS pairs from sorted slot ``first``."""
-        ACC_LAYOUT: gl.constexpr = acc_layout(TOKENS, gl.num_warps())
-        OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
-        # Weighted in the accumulator's layout and converted in the output dtype: the layout change then takes
-        # half the shared memory (a 128-row tile's fp32 [128, 16] would not leave 4 programs room on an SM).
-        acc_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, ACC_LAYOUT)
-        acc = acc * gl.load(topk_weights_ptr + acc_pairs, mask=acc_pairs < num_pairs, other=0.0)
-        acc = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_LAYOUT)
-        out_pairs = _tile_pairs(sorted_pairs_ptr, first, TOKENS, OUT_LAYOUT)
-        live_pairs = out_pairs < num_pairs
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_LAYOUT))
-        mask = gl.expand_dims(offs_n < N, 1) & live_pairs
-        if ATOMIC:
-            tokens = (out_pairs // TOP_K).to(gl.int64)
-            ptrs = out_ptr + tokens * stride_out + gl.expand_dims(offs_n, 1)
-            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-        else:
-            ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
-            gl.store(ptrs, acc, mask=mask)
 
     @gluon.jit
     def _w2_tile(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, step0, step1, topk_weights_ptr, out_ptr,
@@ -569,12 +491,6 @@ def producer_regs(tile: GluonTile) -> int:
     return max(PRODUCER_REGS, WIDE_PRODUCER_REGS if tile.block_m >= 128 else ROOMY_PRODUCER_REGS)
 
 
-def ragged(tile: GluonTile, dtype: torch.dtype) -> bool:
-    """Whether ``tile``'s MMAs follow each block's real pairs (:data:`RAGGED_TILES`): tiles of 64 tokens and up
-    (a quarter is a whole 16-token MMA) whose K steps are not scaled after the sum."""
-    return RAGGED_TILES and tile.block_m >= 64 and not gluon_sm90.scale_after(tile, dtype)
-
-
 def producer_warps(tile: GluonTile) -> int:
     """The producer's warps: one for 16-token tiles (what was measured), a warpgroup's four past them, whose token
     rows one warp could not hold (a 64-token tile's producer warp spilled 592 bytes at 40 registers, two warps 32; four
@@ -619,7 +535,7 @@ def launch(
                   TILES=weights.tiled,
                   SCALE_AFTER=gluon_sm90.scale_after(tile, x.dtype), PRODUCER_REGS=producer_regs(tile),
                   PRODUCER_WARPS=producer_warps(tile), num_warps=tile.warps, maxnreg=tile.registers,
-                  RAGGED=ragged(tile, x.dtype), **dependent_launches(x.device))  # fmt: skip
+                  RAGGED=gluon_sm90.ragged(tile, x.dtype), **dependent_launches(x.device))  # fmt: skip
     grid13 = (programs(rows.max_blocks * triton.cdiv(n_inter, tile.block_n), x.device, tile.per_sm),)
     _w13_ws_kernel[grid13](
         words_descriptor(weights.w13_qweight, weights.tiled), x, s13, zeros13, inter, rows.sorted_pairs,

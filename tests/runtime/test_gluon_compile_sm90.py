@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from repack.runtime.kernels import gluon_sm90
-from tests.support.sm90 import SM90_SHARED_LIMIT, before_dependency_wait, ptxas_spills
+from tests.support.sm90 import SM90_SHARED_LIMIT, before_dependency_wait, local_memory_in_mma_loops, ptxas_spills
 
 VARIANTS = [("float16", False), ("bfloat16", True)]  # (activation dtype, asym with act-order)
 
@@ -34,6 +34,7 @@ from repack.runtime.kernels import gluon_sm90 as g
 
 cfg = GluonTile(*json.loads(sys.argv[1]))
 act, asym = sys.argv[2], sys.argv[3] == "1"
+g.RAGGED_TILES = sys.argv[4:5] == ["1"]  # benchmarks/ptx_dump.py passes three
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr="*fp32", qw_ptr="*i32", scales_ptr="*fp16",
              zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",
@@ -54,12 +55,12 @@ print(json.dumps(report))
 """
 
 
-def _compile(cfg, act: str, asym: bool) -> dict:
+def _compile(cfg, act: str, asym: bool, ragged: bool = False) -> dict:
     # compile, never interpret: an explicit 0 also keeps repack.runtime from switching the interpreter on
     env = dict(os.environ, TRITON_INTERPRET="0")
     tile = json.dumps(cfg.to_list())
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, tile, act, "1" if asym else "0"],
+        [sys.executable, "-c", _CHILD, tile, act, "1" if asym else "0", "1" if ragged else "0"],
         capture_output=True,
         text=True,
         env=env,
@@ -119,3 +120,27 @@ def test_shipped_and_tuned_gluon_configs_compile_for_sm90(act, asym):
             in_flight = [n for n in waits if n >= 1]
             assert len(in_flight) >= 7, f"{where}: the K loop waits for every wgmma ({waits})"
             assert waits.count(0) <= (1 if kernel["scale_after"] else 0), f"{where}: waits for all MMAs ({waits})"
+
+
+@pytest.mark.parametrize(("act", "asym"), VARIANTS, ids=[v[0] + ("-asym-actorder" if v[1] else "") for v in VARIANTS])
+def test_ragged_tiles_compile_for_sm90(act, asym):
+    """gluon_sm90.RAGGED_TILES on: the 64- and 128-token tiles compile their four widths (the whole block's MMA, a
+    half's, a quarter's, and a half's beside a quarter's, both kept in flight) with no spills and in the ring's
+    shared memory (each width's epilogue reuses it)."""
+    from repack.runtime.tune import GLUON_TILES
+
+    tiles = [t for t in GLUON_TILES if not t.per_sm and t.block_m >= 64]
+    assert tiles
+    for cfg in tiles:
+        for name, kernel in _compile(cfg, act, asym, ragged=True).items():
+            where = f"{cfg} {name} {act} ragged"
+            ptx = kernel["ptx"]
+            assert kernel["shared"] == gluon_sm90.ring_bytes(cfg, name), f"{where}: shared memory beside the ring"
+            spills = ptxas_spills(ptx)
+            if asym:  # the in-loop column gather (act-order with ACT_ORDER_GATHER off): 20 bytes once a tile, bf16
+                assert spills <= 32 and local_memory_in_mma_loops(ptx) == 0, f"{where}: {spills} bytes spilled"
+            else:
+                assert spills == 0, f"{where}: spills to local memory"
+            widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)}
+            assert widths == {cfg.block_m, cfg.block_m // 2, cfg.block_m // 4}, f"{where}: widths {sorted(widths)}"
+            assert 2 in loop_waits(ptx), f"{where}: the two accumulators' MMAs are not kept in flight together"
