@@ -9,13 +9,15 @@ copies (address math per 16-byte copy), waits at a CTA barrier each K step, and 
 stages, so STAGES - 2 steps are in flight; a program fills its ring once per tile and the grid ends in a partial
 wave. Here:
 
-- the producer (a worker partition of one warp) waits until a stage is free, loads the step's weight words by TMA
-  (one [64, 16] int32 box per 64 weight rows: w13's gate rows and its up rows, w2's 128 rows) and the block's
-  activations by cp.async (the token rows are gathered, which Hopper's TMA cannot do), and makes the stage's
-  mbarrier complete when both have landed (TMA transaction bytes, and one cp.async arrival per lane);
-- the consumer (the default partition, one warpgroup) waits for the stage, dequantizes the words into the wgmma's
-  register operand and keeps one wgmma in flight as gluon_sm90 does, and frees the stage as soon as the next
-  step's first wgmma has retired the last one that read it: STAGES - 1 steps in flight, no CTA-wide barrier;
+- the producer (a worker partition: one warp for 16-token tiles, four past them, :func:`producer_warps`) waits
+  until a stage is free, loads the step's weight words by TMA (one [64, 16] int32 box per 64 weight rows: w13's
+  gate rows and its up rows, w2's 128 rows a consumer warpgroup) and the block's activations by cp.async (the token
+  rows are gathered, which Hopper's TMA cannot do), and makes the stage's mbarrier complete when both have landed
+  (TMA transaction bytes, and one cp.async arrival per lane);
+- the consumer (the default partition: the tile's one or two warpgroups, 16 channels a warp) waits for the stage,
+  dequantizes the words into the wgmma's register operand and keeps one wgmma in flight as gluon_sm90 does (ragged
+  tiles, gluon_sm90.RAGGED_TILES, as wide as each block's pairs), and frees the stage as soon as the next step's
+  first wgmma has retired the last one that read it: STAGES - 1 steps in flight, no CTA-wide barrier;
 - the grid is persistent (a few programs per SM): each walks the live tiles pid, pid + P, ..., and the producer
   runs ahead into its next tile while the consumer is in the epilogue, so a short K (w2) pays no ring fill per
   tile and dead tiles (alignment bound past the real block count) cost no program.
