@@ -295,6 +295,19 @@ if available():
         return gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0])
 
     @constexpr_function
+    def ragged_paths(ragged):
+        """How many widths a tile's K loop is compiled for: four ragged (:data:`RAGGED_TILES`), else the whole."""
+        return 4 if ragged else 1
+
+    @constexpr_function
+    def ragged_width(block_m, path, part):
+        """Tokens of accumulator ``part`` (0: the first, 1: the one after it, 0 tokens where there is none) on ragged
+        path ``path`` of a ``block_m``-token tile: 0 the whole block, 1 a half and a quarter, 2 a half, 3 a
+        quarter (:func:`_ragged_path`)."""
+        quarter = block_m // 4
+        return [(block_m, 0), (2 * quarter, quarter), (2 * quarter, 0), (quarter, 0)][path][part]
+
+    @constexpr_function
     def zero_layout(warps):
         """The [8 * 32 * warps] fp16 run one clearing step stores: 16 bytes a thread."""
         return gl.BlockedLayout([8], [32], [warps], [0])
@@ -568,10 +581,19 @@ if available():
         return gl.expand_dims(gl.load(sorted_pairs_ptr + first + j), 0)
 
     @gluon.jit
-    def _past(sorted_pairs_ptr, first, num_pairs):
-        """Whether sorted slot ``first`` holds a real pair: an expert's pairs fill its block from the first row, the
-        sentinel (``num_pairs``) the rest (kernels/align.py)."""
-        return gl.load(sorted_pairs_ptr + first) < num_pairs
+    def _ragged_path(sorted_pairs_ptr, first, num_pairs, BLOCK_M: gl.constexpr, RAGGED: gl.constexpr):
+        """Which of :func:`ragged_width`'s paths the block from sorted slot ``first`` takes: 0 (the whole block) past
+        three quarters of real pairs, 1 past a half, 2 past a quarter, else 3; always 0 unless RAGGED. An expert's
+        pairs fill its block from the first row, the sentinel (``num_pairs``) the rest (kernels/align.py), so three
+        slots tell."""
+        if RAGGED:
+            quarter: gl.constexpr = BLOCK_M // 4
+            real = (gl.load(sorted_pairs_ptr + first + quarter) < num_pairs).to(gl.int32)
+            real += (gl.load(sorted_pairs_ptr + first + 2 * quarter) < num_pairs).to(gl.int32)
+            real += (gl.load(sorted_pairs_ptr + first + 3 * quarter) < num_pairs).to(gl.int32)
+            return 3 - real
+        else:
+            return 0
 
     @gluon.jit
     def _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
@@ -689,7 +711,6 @@ if available():
         RAGGED: the MMAs as wide as the block's real pairs (:data:`RAGGED_TILES`)."""
         ROWS: gl.constexpr = 2 * BLOCK_N
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
-        Q: gl.constexpr = BLOCK_M // 4
         await_previous_kernel(DEPENDENT)
         if ZERO_OUT:
             _zero_share(zero_ptr, zero_numel)
@@ -710,22 +731,11 @@ if available():
                     zeros_ptr + expert * stride_s_e, rows, x_ptr, token_rows, pair_mask, perm_ptr + expert * K, K,
                     stride_s_g, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N,
                     stride_inter)  # the runtime arguments (a tuple's constexprs would turn into tensors)
-            if RAGGED:  # as wide as the block's real pairs: all, a half and a quarter, a half, a quarter
-                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
+            path = _ragged_path(sorted_pairs_ptr, first, num_pairs, BLOCK_M, RAGGED)
+            for p in gl.static_range(ragged_paths(RAGGED)):  # one K loop per width; a block runs one
+                if path == p:
                     _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
-                               BLOCK_N, BLOCK_M, 0)
-                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
-                    _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
-                               BLOCK_N, 2 * Q, Q)
-                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
-                    _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
-                               BLOCK_N, 2 * Q, 0)
-                else:
-                    _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
-                               BLOCK_N, Q, 0)
-            else:
-                _w13_block(*args, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM, STAGES, SCALE_AFTER,
-                           BLOCK_N, BLOCK_M, 0)
+                               BLOCK_N, ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1))
             # fmt: on
 
     @gluon.jit
@@ -742,7 +752,6 @@ if available():
         """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (RAGGED: as the w13 kernel)."""
         await_previous_kernel(DEPENDENT)
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
-        Q: gl.constexpr = BLOCK_M // 4
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
                                                    num_blocks_ptr, num_pid_m, N, BLOCK_M, BLOCK_N,
                                                    GROUP_M)  # fmt: skip
@@ -758,22 +767,11 @@ if available():
                     zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K, stride_s_g,
                     topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N,
                     stride_out)  # the runtime arguments, as in the w13 kernel
-            if RAGGED:  # as the w13 kernel
-                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
+            path = _ragged_path(sorted_pairs_ptr, first, num_pairs, BLOCK_M, RAGGED)
+            for p in gl.static_range(ragged_paths(RAGGED)):  # as the w13 kernel
+                if path == p:
                     _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
-                              ATOMIC, BLOCK_M, 0)
-                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
-                    _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
-                              ATOMIC, 2 * Q, Q)
-                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
-                    _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
-                              ATOMIC, 2 * Q, 0)
-                else:
-                    _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
-                              ATOMIC, Q, 0)
-            else:
-                _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K, ATOMIC,
-                          BLOCK_M, 0)
+                              ATOMIC, ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1))
             # fmt: on
 
 

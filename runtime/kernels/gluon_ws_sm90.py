@@ -60,7 +60,7 @@ if gluon_sm90.available():
     from repack.runtime.kernels.gluon_sm90 import (
         X_SMEM_LAYOUT,
         _copy_x,
-        _past,
+        _ragged_path,
         _split_chunks,
         _step_chunks,
         _step_quant,
@@ -69,6 +69,8 @@ if gluon_sm90.available():
         _w13_store,
         _zero_share,
         acc_layout,
+        ragged_paths,
+        ragged_width,
         word_layout,
         x_layout,
         x_parts,
@@ -305,7 +307,6 @@ if gluon_sm90.available():
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WORD_LAYOUT))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
-        Q: gl.constexpr = BLOCK_M // 4
         it = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
@@ -317,17 +318,11 @@ if gluon_sm90.available():
             args = (w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e,
                     rows, channels, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, K, stride_s_g,
                     stride_inter)  # the runtime arguments (a tuple's constexprs would turn into tensors)
-            if RAGGED:  # as wide as the block's real pairs: all, a half and a quarter, a half, a quarter
-                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
-                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, BLOCK_M, 0)
-                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
-                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, 2 * Q, Q)
-                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
-                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, 2 * Q, 0)
-                else:
-                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, Q, 0)
-            else:
-                it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER, BLOCK_M, 0)
+            path = _ragged_path(sorted_pairs_ptr, first, num_pairs, BLOCK_M, RAGGED)
+            for p in gl.static_range(ragged_paths(RAGGED)):  # one K loop per width; a tile runs one
+                if path == p:
+                    it = _w13_tile(*args, GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, SCALE_AFTER,
+                                   ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1))
             # fmt: on
 
     @gluon.jit
@@ -363,7 +358,6 @@ if gluon_sm90.available():
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
         num_steps = K // 128
         first_tile, last_tile, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
-        Q: gl.constexpr = BLOCK_M // 4
         it = 0
         for t in range(first_tile, last_tile, stride):
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
@@ -374,22 +368,11 @@ if gluon_sm90.available():
             args = (w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e,
                     pid_n * BLOCK_N + offs_r, step0, step1, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n,
                     num_pairs, N, stride_s_g, stride_out)  # the runtime arguments, as in the w13 consumer
-            if RAGGED:  # as wide as the block's real pairs: all, a half and a quarter, a half, a quarter
-                if _past(sorted_pairs_ptr, first + 3 * Q, num_pairs):
+            path = _ragged_path(sorted_pairs_ptr, first, num_pairs, BLOCK_M, RAGGED)
+            for p in gl.static_range(ragged_paths(RAGGED)):  # as the w13 consumer
+                if path == p:
                     it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
-                                  BLOCK_M, 0)
-                elif _past(sorted_pairs_ptr, first + 2 * Q, num_pairs):
-                    it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
-                                  2 * Q, Q)
-                elif _past(sorted_pairs_ptr, first + Q, num_pairs):
-                    it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
-                                  2 * Q, 0)
-                else:
-                    it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
-                                  Q, 0)
-            else:
-                it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
-                              BLOCK_M, 0)
+                                  ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1))
             # fmt: on
 
     @gluon.jit
