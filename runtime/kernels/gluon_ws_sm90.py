@@ -219,6 +219,20 @@ if gluon_sm90.available():
                 it += 1
 
     @gluon.jit
+    def _chunks(low, high, x_stage, acc, part, acc_b, scale2, bias2, odd2, FIRST: gl.constexpr, LAST: gl.constexpr,
+                IS_FP16: gl.constexpr, DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AFTER: gl.constexpr,
+                N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
+        """(acc, part, acc_b) after chunks FIRST .. LAST - 1 of a K step at the tile's widths: the whole block's
+        (gluon_sm90._step_chunks, with its scale-after sums) or a ragged one's (gluon_sm90._split_chunks)."""
+        if N_A == BLOCK_M:
+            acc, part = _step_chunks(low, high, x_stage, acc, part, scale2, bias2, odd2, FIRST, LAST, IS_FP16, DTYPE,
+                                     BLOCK_M, SCALE_AFTER)  # fmt: skip
+        else:
+            acc, acc_b = _split_chunks(low, high, x_stage, acc, acc_b, scale2, bias2, odd2, FIRST, LAST, IS_FP16,
+                                       DTYPE, BLOCK_M, N_A, N_B)  # fmt: skip
+        return acc, part, acc_b
+
+    @gluon.jit
     def _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows_ok, step0, step1, stride_s_g,
                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr, HAS_ZEROS: gl.constexpr,
                   SYM_ZERO: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr,
@@ -230,7 +244,6 @@ if gluon_sm90.available():
         flight)."""
         STAGES: gl.constexpr = w_smem.shape[0]
         IS_FP16: gl.constexpr = gl.float16 == DTYPE
-        WHOLE: gl.constexpr = N_A == BLOCK_M
         ACC_LAYOUT: gl.constexpr = acc_layout(N_A, gl.num_warps())
         scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
         scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
@@ -251,22 +264,14 @@ if gluon_sm90.available():
             fence_async_shared()  # the activations came by cp.async (generic proxy); the wgmma reads them (async)
             low, high = _step_words(w_smem.index(stage), ROWS)
             x_stage = x_smem.index(stage)
-            if WHOLE:
-                acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 0, 1, IS_FP16, DTYPE,
-                                         BLOCK_M, SCALE_AFTER)  # fmt: skip
-            else:
-                acc, acc_b = _split_chunks(low, high, x_stage, acc, acc_b, scale, bias2, odd2, 0, 1, IS_FP16, DTYPE,
-                                           BLOCK_M, N_A, N_B)  # fmt: skip
+            acc, part, acc_b = _chunks(low, high, x_stage, acc, part, acc_b, scale, bias2, odd2, 0, 1, IS_FP16, DTYPE,
+                                       BLOCK_M, SCALE_AFTER, N_A, N_B)  # fmt: skip
             # The previous step's last wgmma has retired (one stays in flight): its stage may be refilled, after
             # this warpgroup's reads of it are ordered before the TMA's writes.
             fence_async_shared()
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=step > step0)
-            if WHOLE:
-                acc, part = _step_chunks(low, high, x_stage, acc, part, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
-                                         BLOCK_M, SCALE_AFTER)  # fmt: skip
-            else:
-                acc, acc_b = _split_chunks(low, high, x_stage, acc, acc_b, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
-                                           BLOCK_M, N_A, N_B)  # fmt: skip
+            acc, part, acc_b = _chunks(low, high, x_stage, acc, part, acc_b, scale, bias2, odd2, 1, 8, IS_FP16, DTYPE,
+                                       BLOCK_M, SCALE_AFTER, N_A, N_B)  # fmt: skip
             scale, bias2, odd2 = next_quant
             it += 1
         if N_B > 0:
