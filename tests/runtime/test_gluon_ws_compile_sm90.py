@@ -80,7 +80,7 @@ def _cases() -> list[tuple[GluonTile, str, bool, int, bool, bool, int, bool]]:
     them on "mma128_tiles" words (what the converter writes), and the "mma128" rows of version-2 checkpoints in fp16
     and bf16; w2's tile of 64 rows (gluon_ws_sm90.W2_ROWS before item 29) in fp16. The 32- to 128-token tiles (one
     or two consumer warpgroups, a producer warpgroup) also in bf16 and with zero points; the 64- and 128-token ones
-    with their MMAs as wide as each block's pairs (gluon_ws_sm90.RAGGED_TILES) in fp16 and bf16."""
+    with their MMAs as wide as each block's pairs (gluon_sm90.RAGGED_TILES) in fp16 and bf16."""
     shipped = [t for t in GLUON_TILES if t.per_sm]
     # 3 programs of 6 stages (item 25's ws-3-6) need 231 KB of an SM's 228: the SM ran 2 of them; 5 stages fit.
     probed = [GluonTile(16, 64, 1, 5, per_sm=3), GluonTile(16, 64, 1, 8, per_sm=2)]
