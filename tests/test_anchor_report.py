@@ -18,11 +18,16 @@ def _row(model: str, m: int, tag: str, variants: dict) -> dict:
     return {"model": model, "key": model.lower(), "tag": tag, "M": m, "floor_us": 50.0, "variants": variants}
 
 
-def _report(tmp_path, capsys, rows: list[dict], *options: str) -> str:
-    """What anchor_report prints for a run of ``rows`` with ``options``."""
+def _write(tmp_path, rows: list[dict]):
+    """A run's anchor_results.json holding ``rows``."""
     path = tmp_path / "anchor_results.json"
     path.write_text(json.dumps({"meta": {}, "rows": rows}))
-    anchor_report.main([str(path), *options])
+    return path
+
+
+def _report(tmp_path, capsys, rows: list[dict], *options: str) -> str:
+    """What anchor_report prints for a run of ``rows`` with ``options``."""
+    anchor_report.main([str(_write(tmp_path, rows)), *options])
     return capsys.readouterr().out
 
 
@@ -34,9 +39,7 @@ def _results(tmp_path):
         _row("Qwen3-30B-A3B", 16, "main", {"project": ours, "marlin": marlin, VARIANT: faster}),
         _row("Qwen2-57B-A14B", 16, "bf16", {"project": ours, "marlin": marlin}),  # an extra without the variant
     ]
-    path = tmp_path / "anchor_results.json"
-    path.write_text(json.dumps({"meta": {}, "rows": rows}))
-    return path
+    return _write(tmp_path, rows)
 
 
 def test_ours_is_project_unless_a_variant_is_named(tmp_path, capsys):
