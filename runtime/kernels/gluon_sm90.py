@@ -482,6 +482,43 @@ if available():
         return acc, acc_b
 
     @gluon.jit
+    def _chunks(low, high, x_stage, acc, part, acc_b, scale2, bias2, odd2, FIRST: gl.constexpr, LAST: gl.constexpr,
+                IS_FP16: gl.constexpr, DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AFTER: gl.constexpr,
+                N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
+        """(acc, part, acc_b) after chunks FIRST .. LAST - 1 of a K step at the tile's widths: the whole block's
+        (:func:`_step_chunks`, with its scale-after sums) or a ragged one's (:func:`_split_chunks`)."""
+        if N_A == BLOCK_M:
+            acc, part = _step_chunks(low, high, x_stage, acc, part, scale2, bias2, odd2, FIRST, LAST, IS_FP16, DTYPE,
+                                     BLOCK_M, SCALE_AFTER)  # fmt: skip
+        else:
+            acc, acc_b = _split_chunks(low, high, x_stage, acc, acc_b, scale2, bias2, odd2, FIRST, LAST, IS_FP16,
+                                       DTYPE, BLOCK_M, N_A, N_B)  # fmt: skip
+        return acc, part, acc_b
+
+    @gluon.jit
+    def _accumulators(ROWS: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr):
+        """(acc [ROWS, N_A], part: one step's sum of the same shape (SCALE_AFTER), acc_b [ROWS, N_B] or acc again
+        where N_B is 0), zeroed: what a K loop of :func:`_chunks` starts from."""
+        acc = gl.zeros([ROWS, N_A], gl.float32, layout=acc_layout(N_A, gl.num_warps()))
+        part = gl.zeros([ROWS, N_A], gl.float32, layout=acc_layout(N_A, gl.num_warps()))
+        acc_b = acc
+        if N_B > 0:
+            acc_b = gl.zeros([ROWS, N_B], gl.float32, layout=acc_layout(N_B, gl.num_warps()))
+        return acc, part, acc_b
+
+    @gluon.jit
+    def _last_wait(acc, acc_b, N_B: gl.constexpr, SCALE_AFTER: gl.constexpr):
+        """(acc, acc_b, or acc again where N_B is 0) once a K loop's last wgmmas are done (a scale-after sum waited
+        for its own in the loop)."""
+        if N_B > 0:
+            acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_b])
+        else:
+            if not SCALE_AFTER:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            acc_b = acc
+        return acc, acc_b
+
+    @gluon.jit
     def _copy_step(w_stage, x_stage, w_rows, w_ok, stride_step, token_rows, pair_mask, perm_row_ptr, k0,
                    BLOCK_M: gl.constexpr, HAS_PERM: gl.constexpr):  # fmt: skip
         """cp.async one K step into a ring stage, as one commit group: the [rows, 16] words (16 bytes a thread) and
@@ -509,15 +546,10 @@ if available():
         IS_FP16: gl.constexpr = dtype == gl.float16
         x_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_M, 64], X_SMEM_LAYOUT)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], W_SMEM_LAYOUT)
-        WHOLE: gl.constexpr = N_A == BLOCK_M
         ACC_LAYOUT: gl.constexpr = acc_layout(N_A, gl.num_warps())
         scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
         scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
-        acc = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)
-        part = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
-        acc_b = acc
-        if N_B > 0:
-            acc_b = gl.zeros([ROWS, N_B], gl.float32, layout=acc_layout(N_B, gl.num_warps()))
+        acc, part, acc_b = _accumulators(ROWS, N_A, N_B)
         scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok, 0, stride_s_g,
                                          HAS_ZEROS, SYM_ZERO, IS_FP16, SCALE_AFTER)  # fmt: skip
         num_steps = K // 128  # steps clamp in step units: their word offsets stay 64-byte aligned (16-byte copies)
@@ -542,20 +574,12 @@ if available():
             async_copy.commit_group()
             here = step % STAGES
             low, high = _step_words(w_smem.index(here), ROWS)
-            if WHOLE:
-                acc, step_part = _step_chunks(low, high, x_smem.index(here), acc, part, scale, bias2, odd2, 0, 8,
-                                              IS_FP16, dtype, BLOCK_M, SCALE_AFTER)  # fmt: skip
-                if SCALE_AFTER:  # otherwise ``part`` stays out of the loop's carried values
-                    part = step_part
-            else:
-                acc, acc_b = _split_chunks(low, high, x_smem.index(here), acc, acc_b, scale, bias2, odd2, 0, 8,
-                                           IS_FP16, dtype, BLOCK_M, N_A, N_B)  # fmt: skip
+            acc, step_part, acc_b = _chunks(low, high, x_smem.index(here), acc, part, acc_b, scale, bias2, odd2, 0, 8,
+                                            IS_FP16, dtype, BLOCK_M, SCALE_AFTER, N_A, N_B)  # fmt: skip
+            if SCALE_AFTER:  # otherwise ``part`` stays out of the loop's carried values
+                part = step_part
             scale, bias2, odd2 = next_quant
-        if N_B > 0:
-            acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_b])
-        elif not SCALE_AFTER:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            acc_b = acc
+        acc, acc_b = _last_wait(acc, acc_b, N_B, SCALE_AFTER)
         async_copy.wait_group(0)
         return acc, acc_b
 
@@ -596,13 +620,14 @@ if available():
             return 0
 
     @gluon.jit
-    def _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
+    def _w13_rows(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
                    BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, CAST_FIRST: gl.constexpr):  # fmt: skip
         """inter[pair, n] = silu(gate) * up for the TOKENS pairs from sorted slot ``first``: acc [2 * BLOCK_N,
-        TOKENS] holds the gate rows, then the up rows. CAST_FIRST: cast before the move to the store layout, whose
-        shared memory is then half of fp32's: the persistent kernels' ring does not lend it its own (what lets a
-        128-token tile keep four stages); one program a tile reuses its ring, and there the cast after the move
-        spills no register (8 bytes spilled the other way: bf16, zero points, the 128-token tile)."""
+        TOKENS] holds the gate rows, then the up rows (:func:`_w13_store`'s one accumulator). CAST_FIRST: cast
+        before the move to the store layout, whose shared memory is then half of fp32's: the persistent kernels'
+        ring does not lend it its own (what lets a 128-token tile keep four stages); one program a tile reuses its
+        ring, and there the cast after the move spills no register (8 bytes spilled the other way: bf16, zero
+        points, the 128-token tile)."""
         OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
         gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N, TOKENS]), [1, 2, 0]))
         act = gate / (1.0 + gl.exp(-gate)) * up
@@ -617,9 +642,20 @@ if available():
         gl.store(ptrs, act, mask=mask)
 
     @gluon.jit
-    def _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
+    def _w13_store(acc, acc_b, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter,
+                   BLOCK_N: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr, CAST_FIRST: gl.constexpr):  # fmt: skip
+        """w13's epilogue for a block's first N_A pairs from sorted slot ``first`` (``acc``) and the N_B after them
+        (``acc_b``, where N_B > 0): :func:`_w13_rows` of each."""
+        _w13_rows(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A, CAST_FIRST)
+        if N_B > 0:
+            _w13_rows(acc_b, inter_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_B,
+                      CAST_FIRST)  # fmt: skip
+
+    @gluon.jit
+    def _w2_rows(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
                   TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
-        """out[pair or token, n] (+)= w[pair] * acc for the TOKENS pairs from sorted slot ``first``."""
+        """out[pair or token, n] (+)= w[pair] * acc for the TOKENS pairs from sorted slot ``first`` (:func:`_w2_store`'s
+        one accumulator)."""
         ACC_LAYOUT: gl.constexpr = acc_layout(TOKENS, gl.num_warps())
         OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
         # Weighted in the accumulator's layout and converted in the output dtype: the layout change then takes
@@ -639,6 +675,18 @@ if available():
         else:
             ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
             gl.store(ptrs, acc, mask=mask)
+
+    @gluon.jit
+    def _w2_store(acc, acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
+                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, N_A: gl.constexpr,
+                  N_B: gl.constexpr):  # fmt: skip
+        """w2's epilogue for a block's first N_A pairs from sorted slot ``first`` (``acc``) and the N_B after them
+        (``acc_b``, where N_B > 0): :func:`_w2_rows` of each."""
+        _w2_rows(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, TOP_K,
+                 ATOMIC, BLOCK_N, N_A)  # fmt: skip
+        if N_B > 0:
+            _w2_rows(acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_out,
+                     TOP_K, ATOMIC, BLOCK_N, N_B)  # fmt: skip
 
     @gluon.jit
     def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row):
@@ -673,10 +721,8 @@ if available():
         acc, acc_b = _k_loop(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
                              perm_row_ptr, K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, HAS_PERM,
                              STAGES, SCALE_AFTER, N_A, N_B)  # fmt: skip
-        _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A, False)
-        if N_B > 0:
-            _w13_store(acc_b, inter_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_inter, BLOCK_N,
-                       N_B, False)  # fmt: skip
+        _w13_store(acc, acc_b, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A, N_B,
+                   False)  # fmt: skip
 
     @gluon.jit
     def _w2_block(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
@@ -689,11 +735,8 @@ if available():
         acc, acc_b = _k_loop(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
                              perm_row_ptr, K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False,
                              STAGES, SCALE_AFTER, N_A, N_B)  # fmt: skip
-        _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, TOP_K,
-                  ATOMIC, ROWS, N_A)  # fmt: skip
-        if N_B > 0:
-            _w2_store(acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N,
-                      stride_out, TOP_K, ATOMIC, ROWS, N_B)  # fmt: skip
+        _w2_store(acc, acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
+                  TOP_K, ATOMIC, ROWS, N_A, N_B)  # fmt: skip
 
     @gluon.jit
     def _w13_kernel(

@@ -53,16 +53,16 @@ if gluon_sm90.available():
         fence_async_shared,
         mbarrier,
         tma,
-        warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from repack.runtime.kernels.gluon_sm90 import (
         X_SMEM_LAYOUT,
+        _accumulators,
+        _chunks,
         _copy_x,
+        _last_wait,
         _ragged_path,
-        _split_chunks,
-        _step_chunks,
         _step_quant,
         _step_words,
         _w2_store,
@@ -219,20 +219,6 @@ if gluon_sm90.available():
                 it += 1
 
     @gluon.jit
-    def _chunks(low, high, x_stage, acc, part, acc_b, scale2, bias2, odd2, FIRST: gl.constexpr, LAST: gl.constexpr,
-                IS_FP16: gl.constexpr, DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AFTER: gl.constexpr,
-                N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
-        """(acc, part, acc_b) after chunks FIRST .. LAST - 1 of a K step at the tile's widths: the whole block's
-        (gluon_sm90._step_chunks, with its scale-after sums) or a ragged one's (gluon_sm90._split_chunks)."""
-        if N_A == BLOCK_M:
-            acc, part = _step_chunks(low, high, x_stage, acc, part, scale2, bias2, odd2, FIRST, LAST, IS_FP16, DTYPE,
-                                     BLOCK_M, SCALE_AFTER)  # fmt: skip
-        else:
-            acc, acc_b = _split_chunks(low, high, x_stage, acc, acc_b, scale2, bias2, odd2, FIRST, LAST, IS_FP16,
-                                       DTYPE, BLOCK_M, N_A, N_B)  # fmt: skip
-        return acc, part, acc_b
-
-    @gluon.jit
     def _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows_ok, step0, step1, stride_s_g,
                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr, HAS_ZEROS: gl.constexpr,
                   SYM_ZERO: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr,
@@ -247,11 +233,7 @@ if gluon_sm90.available():
         ACC_LAYOUT: gl.constexpr = acc_layout(N_A, gl.num_warps())
         scale_rows = gl.convert_layout(rows, gl.SliceLayout(1, ACC_LAYOUT))
         scale_ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, ACC_LAYOUT))
-        acc = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)
-        part = gl.zeros([ROWS, N_A], gl.float32, layout=ACC_LAYOUT)  # one step's sum (SCALE_AFTER)
-        acc_b = acc
-        if N_B > 0:
-            acc_b = gl.zeros([ROWS, N_B], gl.float32, layout=acc_layout(N_B, gl.num_warps()))
+        acc, part, acc_b = _accumulators(ROWS, N_A, N_B)
         scale, bias2, odd2 = _step_quant(scales_e, zeros_e, rows, rows_ok, scale_rows, scale_ok,
                                          step0 * 128 // GROUP_LEN, stride_s_g, HAS_ZEROS, SYM_ZERO, IS_FP16,
                                          SCALE_AFTER)  # fmt: skip
@@ -274,11 +256,7 @@ if gluon_sm90.available():
                                        BLOCK_M, SCALE_AFTER, N_A, N_B)  # fmt: skip
             scale, bias2, odd2 = next_quant
             it += 1
-        if N_B > 0:
-            acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_b])
-        elif not SCALE_AFTER:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            acc_b = acc
+        acc, acc_b = _last_wait(acc, acc_b, N_B, SCALE_AFTER)
         fence_async_shared()
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))  # the tile's last stage
         return acc, acc_b, it
@@ -294,10 +272,8 @@ if gluon_sm90.available():
         acc, acc_b, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, channels < N, 0,
                                    K // 128, stride_s_g, 2 * BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO,
                                    SCALE_AFTER, DTYPE, N_A, N_B)  # fmt: skip
-        _w13_store(acc, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A, True)
-        if N_B > 0:
-            _w13_store(acc_b, inter_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_inter, BLOCK_N,
-                       N_B, True)  # fmt: skip
+        _w13_store(acc, acc_b, inter_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_inter, BLOCK_N, N_A, N_B,
+                   True)  # fmt: skip
         return it
 
     @gluon.jit
@@ -342,11 +318,8 @@ if gluon_sm90.available():
         acc, acc_b, it = _tile_sum(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, rows < N, step0, step1,
                                    stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE,
                                    N_A, N_B)  # fmt: skip
-        _w2_store(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, TOP_K,
-                  ATOMIC, BLOCK_N, N_A)  # fmt: skip
-        if N_B > 0:
-            _w2_store(acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N,
-                      stride_out, TOP_K, ATOMIC, BLOCK_N, N_B)  # fmt: skip
+        _w2_store(acc, acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
+                  TOP_K, ATOMIC, BLOCK_N, N_A, N_B)  # fmt: skip
         return it
 
     @gluon.jit
