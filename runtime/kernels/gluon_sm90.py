@@ -90,9 +90,14 @@ SCALE_AFTER_FP16_PERSISTENT = False
 # expert's rows to whole blocks, KERNEL_NOTES.md item 42) runs MMAs only as wide as they need: its first quarter,
 # half, half and a quarter (two accumulators), or all of it, chosen per tile from the sorted pairs (the sentinel
 # fills a block from its last real pair on). The weights are dequantized once either way; the tensor cores, the
-# limit from 64 tokens up, skip what would only be padding. Four K loops compiled per kernel; off until measured
-# (the anchor's variant ``project:gluon_sm90.RAGGED_TILES=True``).
-RAGGED_TILES = False
+# limit from 64 tokens up, skip what would only be padding. Four K loops compiled per kernel. Measured on the
+# H100 (benchmarks/RESULTS.md 2026-12-07 23:32 UTC, KERNEL_NOTES.md item 45): the 128-token tile one program per
+# tile, ragged, made calls 4-13% faster at M = 1024 and 4096 on six of seven shapes (DeepSeek-V2-Lite M = 1024 +2%,
+# bf16 within 1%); the 64-token tile one program per tile 4-18% slower (its w13: DeepSeek-V3 M = 1024 1853 -> 2245
+# us), so that one stays whole (RAGGED_ONE_PROGRAM_MIN_M); the persistent 64-token tile on 8 warps ran ragged in the
+# mid variant that won (MID_PER_SM).
+RAGGED_TILES = True
+RAGGED_ONE_PROGRAM_MIN_M = 128
 
 
 def available() -> bool:
@@ -158,16 +163,21 @@ def fitted_tile(tile: GluonTile, weights: MoeWeights, dtype: torch.dtype) -> Glu
 # (``project:gluon_sm90.WIDE_FROM_ROWS=512``). A wider token tile pads each expert's rows further: at 64 rows per
 # expert under uniform routing the 128-token tile computes twice the rows it keeps, the 64-token one 1.5 times
 # (KERNEL_NOTES.md item 42).
-MID_WARPS = 4
 MID_STAGES = 4
 WIDE_FROM_ROWS = 48
 # Persistent programs an SM for the 64-token (MID_PER_SM: 2 on 4 warps, 1 on 8) and 128-token (WIDE_PER_SM: 1) tiles:
 # the warp-specialized kernels (kernels/gluon_ws_sm90.py), whose producer fills the next tile's stages while the
 # consumers finish this one, where one program per tile pays its ring's fill and its epilogue with the tensor cores
-# idle (a third of a six-step w2 tile's instructions, KERNEL_NOTES.md item 42). 0: one program per tile (measured
-# before; the others not yet).
-MID_PER_SM = 0
-WIDE_PER_SM = 0
+# idle (a third of a six-step w2 tile's instructions, KERNEL_NOTES.md item 42). 0: one program per tile. Measured
+# on the H100 (benchmarks/RESULTS.md 2026-12-07 23:32 UTC, KERNEL_NOTES.md item 45): the 64-token tile on 8 warps,
+# persistent and ragged, took Qwen2-57B M = 256 and DeepSeek-V3 M = 1024 (32 rows an expert) 15% and 10% below the
+# 4-warp tile one program per tile (whole calls); the 128-token tile's w13 persistent and ragged ran 1-15% faster per
+# launch than one program per tile, ragged, at M = 1024-4096 on all but Mixtral M = 1024 (+4%); its w2 did not
+# (gluon_ws_sm90.W2_PERSISTENT_MAX_M). That pair as shipped (persistent w13, one-program w2) is composed from those
+# launches: the next run times it whole (KERNEL_NOTES.md, "Next GPU session").
+MID_WARPS = 8
+MID_PER_SM = 1
+WIDE_PER_SM = 1
 # The 32-token tile up to SMALL_TO_ROWS rows per expert in fp16 (bf16: 48, see heuristic_tile), at SMALL_PER_SM
 # persistent programs an SM (0 or 2). DeepSeek-V3 at M = 1024 has 32 rows an expert: the 64-token tile there computes
 # twice the rows it keeps (KERNEL_NOTES.md item 42).
@@ -233,9 +243,11 @@ SHIPPED_TILES = (
     PERSISTENT_16,
     GluonTile(16, 64, 1),  # PERSISTENT_16 where it does not fit
     GluonTile(32, 64, 4),
-    GluonTile(64, 64, 8),  # mid_tile() on 4 warps
-    GluonTile(64, 128, 8, 4, 8),  # on 8
-    WIDE_TILE,
+    GluonTile(64, 64, 8),  # mid_tile() on 4 warps (MID_WARPS, MID_PER_SM = 0)
+    GluonTile(64, 128, 8, 4, 8),  # on 8, one program per tile: the act-order stacks without their rows gathered
+    GluonTile(64, 128, 8, 4, 8, per_sm=1),  # on 8, persistent: mid_tile()
+    WIDE_TILE,  # one program per tile: fitted_tile's fallback, and the w2 of the persistent one
+    replace(WIDE_TILE, per_sm=1),
 )
 
 
@@ -834,9 +846,11 @@ def scale_after(tile: GluonTile, dtype: torch.dtype) -> bool:
 
 
 def ragged(tile: GluonTile, dtype: torch.dtype) -> bool:
-    """Whether ``tile``'s MMAs follow each block's real pairs (:data:`RAGGED_TILES`): tiles of 64 tokens and up
-    (a quarter is a whole 16-token MMA) whose K steps are not scaled after the sum."""
-    return RAGGED_TILES and tile.block_m >= 64 and not scale_after(tile, dtype)
+    """Whether ``tile``'s MMAs follow each block's real pairs (:data:`RAGGED_TILES`): persistent tiles of 64 tokens
+    and up (a quarter is a whole 16-token MMA), one program per tile from :data:`RAGGED_ONE_PROGRAM_MIN_M` tokens,
+    whose K steps are not scaled after the sum."""
+    least = 64 if tile.per_sm else max(64, RAGGED_ONE_PROGRAM_MIN_M)
+    return RAGGED_TILES and tile.block_m >= least and not scale_after(tile, dtype)
 
 
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,

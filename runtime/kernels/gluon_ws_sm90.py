@@ -91,6 +91,11 @@ W_TMA_LAYOUT = (
 # 1024 since w2 runs stream-K: on the H100 K = 1408-1536 gained 2-7 us a call at M = 4-64 (Qwen3-235B, Qwen1.5-MoE,
 # DeepSeek-V2-Lite; only DeepSeek-V2-Lite M = 4 lost 1 us), K = 768 still lost at M = 64 (KERNEL_NOTES.md item 28).
 W2_PERSISTENT_MIN_K = 1024
+# ... and on token tiles up to this many: the 128-token tile's w2 ran slower persistent than one program per tile
+# at every M = 1024-4096 cell measured on the H100 but Qwen1.5-MoE M = 1024 (benchmarks/RESULTS.md 2026-12-07 23:32
+# UTC, KERNEL_NOTES.md item 45; ragged, per launch: Qwen3-235B M = 1024 392 against 349 us, DeepSeek-V3 M = 4096 3511
+# against 2422).
+W2_PERSISTENT_MAX_M = 64
 # Registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg. 32, not 40: the
 # producer needs no more (24 spills it), and what it leaves lets a step-scaled sum (bf16's) run at 4 programs per SM
 # (gluon_sm90.persistent_fits): bf16 on the H100, Mixtral M = 16 285 against 316 us at 3 programs, Qwen2-57B M = 4
@@ -486,7 +491,7 @@ def launch(
 ) -> None:
     """w13 then w2, warp-specialized and persistent (``tile.per_sm`` programs per SM, their register cap
     ``tile.registers``), on the same inputs as :func:`gluon_sm90.launch`; a w2 of K below
-    :data:`W2_PERSISTENT_MIN_K` as gluon_sm90's."""
+    :data:`W2_PERSISTENT_MIN_K` or of a tile past :data:`W2_PERSISTENT_MAX_M` tokens as gluon_sm90's."""
     if weights.w13_perm is not None or not tile.per_sm or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_ws_sm90.launch: tile {tile} / act-order: a per_sm tile and plain stacks")
     atomic = reduce != "pairs"
@@ -507,7 +512,7 @@ def launch(
         s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
         ZERO_OUT=atomic, BLOCK_N=tile.block_n, **common,
     )  # fmt: skip
-    if n_inter < W2_PERSISTENT_MIN_K:
+    if n_inter < W2_PERSISTENT_MIN_K or tile.block_m > W2_PERSISTENT_MAX_M:
         gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, replace(tile, per_sm=0), reduce)
         return
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales

@@ -35,6 +35,7 @@ from repack.runtime.kernels import gluon_sm90 as g
 cfg = GluonTile(*json.loads(sys.argv[1]))
 act, asym = sys.argv[2], sys.argv[3] == "1"
 g.RAGGED_TILES = sys.argv[4:5] == ["1"]  # benchmarks/ptx_dump.py passes three
+g.RAGGED_ONE_PROGRAM_MIN_M = 64  # ragged: every 64- and 128-token tile, as the anchor's variants can ask
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr="*fp32", qw_ptr="*i32", scales_ptr="*fp16",
              zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",

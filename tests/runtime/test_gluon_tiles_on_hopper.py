@@ -1,6 +1,7 @@
 """Every Gluon sm_90 tile `repack tune` searches (tune.GLUON_TILES: one program per tile, and the warp-specialized
 persistent kernels of 16 to 128 tokens), and the 64- and 128-token ones with their MMAs as wide as each block's pairs
-(gluon_sm90.RAGGED_TILES), against the float32 reference built from the source GPTQ linears.
+(gluon_sm90.RAGGED_TILES: shipped on the 128-token and the persistent tiles, here on all of them), against the float32
+reference built from the source GPTQ linears.
 
 On a Hopper GPU only: Gluon has no interpreter, so on the CPU the compile tests (test_gluon_compile_sm90.py,
 test_gluon_ws_compile_sm90.py) hold these kernels to their instructions and this file is where their numbers are
@@ -69,10 +70,14 @@ def test_on_hopper_every_gluon_tile_computes_the_reference(case):
 
 
 def test_on_hopper_ragged_tiles_compute_the_reference(monkeypatch, case):
-    """RAGGED_TILES on, and w2 persistent at this short K too (W2_PERSISTENT_MIN_K = 0): every 64- and 128-token
-    tile, one program per tile and persistent, both GEMMs at their four widths."""
+    """Ragged on every 64- and 128-token tile, one program per tile too (RAGGED_ONE_PROGRAM_MIN_M = 64; shipped
+    from 128), and w2 persistent at this short K and on the 128-token tile too (W2_PERSISTENT_MIN_K = 0,
+    W2_PERSISTENT_MAX_M = 128; shipped: 1024 and 64): both GEMMs of every such tile at their four widths, as the
+    anchor's variants run them."""
     monkeypatch.setattr(gluon_sm90, "RAGGED_TILES", True)
+    monkeypatch.setattr(gluon_sm90, "RAGGED_ONE_PROGRAM_MIN_M", 64)
     monkeypatch.setattr(gluon_ws_sm90, "W2_PERSISTENT_MIN_K", 0)
+    monkeypatch.setattr(gluon_ws_sm90, "W2_PERSISTENT_MAX_M", 128)
     tiles = [c.gluon for c in GLUON_CONFIGS if c.gluon.block_m >= 64]
     assert {t.per_sm > 0 for t in tiles} == {False, True}
     assert all(gluon_sm90.ragged(t, d) for t in tiles for d in TOLERANCE)

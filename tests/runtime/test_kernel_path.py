@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,10 +88,11 @@ def test_a_gluon_config_without_a_tile_runs_them_where_they_measured_faster(sm90
         assert family(stack, GLUON, BF16, pairs) is Family.GLUON_SM90
     bf16 = choose_family(stack, KernelConfig.from_dict(GLUON), CPU, BF16, 2 * 48)[1]
     assert bf16.gluon == GluonTile(32, 64, 4) and gluon_sm90.scale_after(bf16.gluon, BF16)
-    assert choose_family(stack, KernelConfig.from_dict(GLUON), CPU, FP16, 2 * 48)[1].gluon == GluonTile(64, 64, 8)
+    mid = GluonTile(64, 128, 8, 4, 8, per_sm=1)  # persistent, on 8 warps (zero points too)
+    assert choose_family(stack, KernelConfig.from_dict(GLUON), CPU, FP16, 2 * 48)[1].gluon == mid
     assert not gluon_sm90.scale_after(GluonTile(16, 64, 1), FP16) and not gluon_sm90.scale_after(bf16.gluon, FP16)
     planned = choose_family(stack, KernelConfig.from_dict(GLUON), CPU, FP16, 2 * 49)[1]
-    assert planned.gluon == gluon_sm90.heuristic_tile(98, 2) == GluonTile(128, 128, 8, 4, 8)
+    assert planned.gluon == gluon_sm90.heuristic_tile(98, 2) == GluonTile(128, 128, 8, 4, 8, per_sm=1)
     assert planned.reduce == gluon_sm90.heuristic_reduce(FP16) == "out"
     act_order = zero_stack(act_order=True)
     assert family(act_order, GLUON, FP16, 4096) is Family.GLUON_SM90
@@ -205,12 +207,15 @@ def test_heuristic_tiles_are_shipped():
         assert gluon_sm90.heuristic_tile(pairs, 64) in gluon_sm90.SHIPPED_TILES
 
 
-@pytest.mark.parametrize("warps", [4, 8])
-def test_the_heuristics_numbers_move_its_tiles_and_stay_shipped(monkeypatch, warps):
-    """The anchor's variants patch WIDE_FROM_ROWS and MID_WARPS: each choice is a tile the compile tests build."""
+@pytest.mark.parametrize(("warps", "per_sm"), [(4, 0), (8, 0), (8, 1)])
+def test_the_heuristics_numbers_move_its_tiles_and_stay_shipped(monkeypatch, warps, per_sm):
+    """The anchor's variants patch WIDE_FROM_ROWS, MID_WARPS and MID_PER_SM (together: one program per tile on 4
+    warps, as before the persistent 8-warp tile shipped): each choice is a tile the compile tests build."""
     monkeypatch.setattr(gluon_sm90, "MID_WARPS", warps)
-    assert gluon_sm90.heuristic_tile(64 * 40, 64) == GluonTile(64, 16 * warps, 8, 4, warps)  # 40 rows an expert
-    assert gluon_sm90.heuristic_tile(64 * 100, 64) == gluon_sm90.WIDE_TILE
+    monkeypatch.setattr(gluon_sm90, "MID_PER_SM", per_sm)
+    mid = gluon_sm90.heuristic_tile(64 * 40, 64)  # 40 rows an expert
+    assert mid == GluonTile(64, 16 * warps, 8, 4, warps, per_sm=per_sm) in gluon_sm90.SHIPPED_TILES
+    assert gluon_sm90.heuristic_tile(64 * 100, 64) == replace(gluon_sm90.WIDE_TILE, per_sm=1)
     monkeypatch.setattr(gluon_sm90, "WIDE_FROM_ROWS", 512)
     assert gluon_sm90.heuristic_tile(64 * 100, 64) == gluon_sm90.mid_tile() in gluon_sm90.SHIPPED_TILES
 
