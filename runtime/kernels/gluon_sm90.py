@@ -172,9 +172,9 @@ WIDE_FROM_ROWS = 48
 # on the H100 (benchmarks/RESULTS.md 2026-12-07 23:32 UTC, KERNEL_NOTES.md item 45): the 64-token tile on 8 warps,
 # persistent and ragged, took Qwen2-57B M = 256 and DeepSeek-V3 M = 1024 (32 rows an expert) 15% and 10% below the
 # 4-warp tile one program per tile (whole calls); the 128-token tile's w13 persistent and ragged ran 1-15% faster per
-# launch than one program per tile, ragged, at M = 1024-4096 on all but Mixtral M = 1024 (+4%); its w2 did not
-# (gluon_ws_sm90.W2_PERSISTENT_MAX_M). That pair as shipped (persistent w13, one-program w2) is composed from those
-# launches: the next run times it whole (KERNEL_NOTES.md, "Next GPU session").
+# launch than one program per tile, ragged, at M = 1024-4096 on all but Mixtral M = 1024 (+4%); its w2 lost at
+# M = 4096 (gluon_ws_sm90.W2_PERSISTENT_MAX_M). That pair as shipped (persistent w13, one-program w2) is composed
+# from those launches: the next run times it whole (KERNEL_NOTES.md, "Next GPU session").
 MID_WARPS = 8
 MID_PER_SM = 1
 WIDE_PER_SM = 1

@@ -91,10 +91,9 @@ W_TMA_LAYOUT = (
 # 1024 since w2 runs stream-K: on the H100 K = 1408-1536 gained 2-7 us a call at M = 4-64 (Qwen3-235B, Qwen1.5-MoE,
 # DeepSeek-V2-Lite; only DeepSeek-V2-Lite M = 4 lost 1 us), K = 768 still lost at M = 64 (KERNEL_NOTES.md item 28).
 W2_PERSISTENT_MIN_K = 1024
-# ... and on token tiles up to this many: the 128-token tile's w2 ran slower persistent than one program per tile
-# at every M = 1024-4096 cell measured on the H100 but Qwen1.5-MoE M = 1024 (benchmarks/RESULTS.md 2026-12-07 23:32
-# UTC, KERNEL_NOTES.md item 45; ragged, per launch: Qwen3-235B M = 1024 392 against 349 us, DeepSeek-V3 M = 4096 3511
-# against 2422).
+# ... and on token tiles up to this many: the 128-token tile's w2 persistent (exposed time, ragged) gained 0-12%
+# over one program per tile at M = 1024 and lost 5-19% at M = 4096 on the H100 (benchmarks/RESULTS.md 2026-12-07
+# 23:32 UTC, KERNEL_NOTES.md item 45: Qwen3-235B M = 4096 1127 against 999 us, DeepSeek-V3 2809 against 2369).
 W2_PERSISTENT_MAX_M = 64
 # Registers of the producer warp's warpgroup (setmaxnreg); the consumer takes the rest of maxnreg. 32, not 40: the
 # producer needs no more (24 spills it), and what it leaves lets a step-scaled sum (bf16's) run at 4 programs per SM
