@@ -18,6 +18,8 @@ makes the two changes without editing it, so every checkout measures the same wa
   process;
 - every timed variant, Marlin's too, is profiled over the same CUDA graph (benchmarks/launch_profile.py), one row
   per launch, which ``anchor_report.py --launches`` tabulates;
+- a model whose fp16 Triton variant's dequantized weights do not fit the GPU beside the others runs without that
+  variant (a line says so) rather than not at all;
 - ``ANCHOR_ROUTING_SKEW=s`` (default 0: the harness's uniform routing) adds ``s * b[e]`` to every token's router
   logits, ``b`` one fixed standard-normal draw per expert: served models route unevenly (a few experts take many of
   a step's tokens), and a kernel tuned on uniform routing can lose there (KERNEL_NOTES.md item 28). The reference
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import gc
 import importlib
 import importlib.util
 import os
@@ -124,9 +127,34 @@ def row_major_stacks(stacks: list) -> list | None:
     return _ROWS_CACHE[id(stacks)]
 
 
+def fp16_where_it_fits(build_main_weights):
+    """The harness's ``build_main_weights`` leaving out the fp16 Triton variant's dequantized copies, with a line,
+    where they do not fit beside the others: DeepSeek-V3's are 22 GB a copy, and on an H100 the model was lost
+    whole to that variant (benchmarks/RESULTS.md 2026-12-07 23:32 UTC, call 3); its other variants still run."""
+
+    def build(m, dtype, device, compile_only, which, cpu):
+        import torch  # the harness imports it in its setup()
+
+        try:
+            return build_main_weights(m, dtype, device, compile_only, which, cpu)
+        except torch.cuda.OutOfMemoryError:
+            if "triton_fp16" not in which:
+                raise
+        gc.collect()  # the failed build's tensors, freed with its frames once the exception is gone
+        torch.cuda.empty_cache()
+        print(f"{m.key}: no GPU memory for triton_fp16's dequantized weights; that variant left out", flush=True)
+        weights = build_main_weights(m, dtype, device, compile_only, [v for v in which if v != "triton_fp16"], cpu)
+        weights.pop("fp16", None)  # make_variants builds the variant only where its weights are
+        return weights
+
+    return build
+
+
 def adapt(harness: ModuleType) -> None:
-    """Patch the harness in place: the project variant through routed_moe, every timing with its launches."""
+    """Patch the harness in place: the project variant through routed_moe, every timing with its launches, the fp16
+    Triton variant left out of a model whose dequantized weights do not fit."""
     make_variants, time_graph = harness.make_variants, harness.time_graph
+    harness.build_main_weights = fp16_where_it_fits(harness.build_main_weights)
     skew_routing(harness, float(os.environ.get("ANCHOR_ROUTING_SKEW", "0")))
 
     def routed_variants(m, W, logits, xs, dtype, device, which):

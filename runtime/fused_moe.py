@@ -275,15 +275,16 @@ def _plan(hidden_states: torch.Tensor, weights: MoeWeights, top_k: int, config, 
         config = get_config(weights, m, top_k, dtype, device)
     config = as_kernel_config(config).fit_group(weights.group_size)
     family, config = choose_family(weights, config, device, dtype, m * top_k)
-    config = replace(config, reduce=_reduce(config.reduce, dtype, top_k, out))
+    config = replace(config, reduce=_reduce(config.reduce, dtype, top_k, out, family))
     return Plan(family, config, family.block_rows(config))
 
 
-def _reduce(asked: str, dtype: torch.dtype, top_k: int, out: torch.Tensor) -> str:
-    """The top-k sum a call can take: per-pair rows that are the output itself at top-1; atomics of the activation
-    dtype into ``out`` ("out") only for fp16 (eight bf16 roundings per element would cost more than the 5e-3 the
-    bf16 path is held to: fp32 atomics instead) and a contiguous ``out`` (cleared as one run of memory)."""
-    if top_k == 1:
+def _reduce(asked: str, dtype: torch.dtype, top_k: int, out: torch.Tensor, family: KernelFamily) -> str:
+    """The top-k sum a call can take: per-pair rows that are the output itself at top-1; a mode the family's w2
+    writes (``reduce_modes``), else per-pair rows; atomics of the activation dtype into ``out`` ("out") only for fp16
+    (eight bf16 roundings per element would cost more than the 5e-3 the bf16 path is held to: fp32 atomics instead)
+    and a contiguous ``out`` (cleared as one run of memory); w2's own sum ("last") into rows of unit stride."""
+    if top_k == 1 or asked not in family.reduce_modes or (asked == "last" and out.stride(1) != 1):
         return "pairs"
     if asked == "out" and (dtype != torch.float16 or not out.is_contiguous()):
         return "atomic"
@@ -304,7 +305,7 @@ def _run(plan: Plan, work: Work) -> torch.Tensor:
 
 def _sum_target(plan: Plan, work: Work) -> torch.Tensor:
     """Where w2 writes for ``config.reduce``: fp32 [M, H] ("atomic"), the output ("out"), zeroed here unless the
-    family's w13 clears it; the output itself at top-1; else one row per pair [P, H]."""
+    family's w13 clears it; the output itself at top-1; else one row per pair [P, H] ("pairs", "last")."""
     (m, h), top_k, out, device = work.x.shape, work.topk_ids.shape[1], work.out, work.x.device
     cleared = plan.family.clears_target
     if plan.config.reduce == "atomic":
@@ -317,8 +318,9 @@ def _sum_target(plan: Plan, work: Work) -> torch.Tensor:
 
 
 def _sum_topk(reduce: str, work: Work) -> None:
-    """The finalize step: the fp32 sums cast into the output, or the per-pair rows summed into it."""
+    """The finalize step: the fp32 sums cast into the output, or the per-pair rows summed into it (unless w2 summed
+    them, "last")."""
     if reduce == "atomic":
         work.out.copy_(work.target)
-    elif work.target is not work.out:
+    elif work.target is not work.out and reduce != "last":
         topk_sum(work.target, work.topk_ids.shape[1], work.out)  # [M * T, H] -> [M, H]

@@ -135,7 +135,7 @@ class GluonTile:
         return values
 
 
-REDUCE_MODES = ("pairs", "atomic", "out")  # KernelConfig.reduce
+REDUCE_MODES = ("pairs", "atomic", "out", "last")  # KernelConfig.reduce
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,9 @@ class KernelConfig:
     quant_ahead: bool = False  # WEIGHT_MAJOR: scales and zeros loaded one K step ahead
     # tensor cores, the top-k sum: per-pair rows summed by kernels/topk_sum.py ("pairs"), fp32 atomics into a
     # zeroed [M, H] buffer cast at the end ("atomic"), or atomics of the activation dtype straight into the
-    # zeroed output ("out": no launch for the sum at all; fp16 only, KERNEL_NOTES item 18). No shipped table sets it.
+    # zeroed output ("out": no launch for the sum at all; fp16 only, KERNEL_NOTES item 18), or per-pair rows each
+    # token's summed by the w2 program that writes its last ("last": no launch for the sum, rounded as "pairs";
+    # gluon_sm90 only, "pairs" elsewhere: family.KernelFamily.reduce_modes). No shipped table sets it.
     reduce: str = "pairs"
     prefetch: int = 1  # DECODE: K blocks of weights loaded ahead (1 or 2); no shipped table sets 2
     # GLUON_SM90: the tile of the Gluon kernels; None: their heuristic's tile and top-k sum, wherever they measured

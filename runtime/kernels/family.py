@@ -62,8 +62,9 @@ class Work:
     topk_weights: torch.Tensor  # [M, T] fp32
     out: torch.Tensor  # [M, H] activation dtype: the result
     rows: Alignment | None = None  # the pairs sorted into row blocks (families with block_rows)
-    # TopkSum.BY_REDUCE: where w2 writes: [P, H] rows ("pairs", or ``out`` itself at top-1), [M, H] fp32
-    # ("atomic") or ``out`` ("out"), zeroed by fused_moe unless the family clears it (clears_target)
+    # TopkSum.BY_REDUCE: where w2 writes: [P, H] rows ("pairs", or ``out`` itself at top-1; "last": w2 also sums
+    # them into ``out``), [M, H] fp32 ("atomic") or ``out`` ("out"), zeroed by fused_moe unless the family clears it
+    # (clears_target)
     target: torch.Tensor | None = None
     routing: tuple[torch.Tensor, bool] | None = None  # (router logits [M, E], renormalize): route in the first launch
 
@@ -77,6 +78,8 @@ class KernelFamily(ABC):
     clears_target: ClassVar[bool] = False  # w13 zeroes the target that w2 adds into, so fused_moe does not
     runs_tl_tiles: ClassVar[bool] = False  # takes another family's tl tile where that family cannot run a call
     interpreted: ClassVar[bool] = True  # its kernels run in Triton's interpreter (tl): the CPU-tested references
+    # the config.reduce values its w2 writes (TopkSum.BY_REDUCE); fused_moe runs any other as "pairs"
+    reduce_modes: ClassVar[tuple[str, ...]] = ("pairs", "atomic", "out")
 
     @abstractmethod
     def supports(self, call: Call) -> bool:

@@ -98,6 +98,10 @@ SCALE_AFTER_FP16_PERSISTENT = False
 # mid variant that won (MID_PER_SM).
 RAGGED_TILES = True
 RAGGED_ONE_PROGRAM_MIN_M = 128
+# reduce "last" (w2 sums each token's rows where the last one lands: _sum_last_rows) on token tiles up to this many;
+# wider ones write "pairs" rows for kernels/topk_sum.py. Each summing tile waits one L2 round trip for its tickets
+# and one per piece of columns for the rows; a 16-token tile sums its few tokens in one piece, a 128-token one in 8.
+SUM_LAST_MAX_M = 32
 
 
 def available() -> bool:
@@ -213,10 +217,12 @@ def mid_tile() -> GluonTile:
     return GluonTile(64, 16 * MID_WARPS, 8, MID_STAGES, MID_WARPS, per_sm=MID_PER_SM)
 
 
-# bf16's top-k sum on the Gluon path: "pairs" (one bf16 row per pair, then kernels/topk_sum.py) or "atomic" (fp32
-# atomics into the [M, H] buffer w13 clears, then a cast). The sum launch is 2-3% of the call at M = 1024-4096, yet
+# bf16's top-k sum on the Gluon path: "pairs" (one bf16 row per pair, then kernels/topk_sum.py), "atomic" (fp32
+# atomics into the [M, H] buffer w13 clears, then a cast) or "last" (per-pair rows, each token's summed by the w2
+# program that writes its last one: :func:`_sum_last_rows`, the same bits as "pairs"). The sum launch is 2-3% of
+# the call at M = 1024-4096 and 2.3-2.8 us exposed at M = 4-16 (half the glue there, issue 17's 5 us), yet
 # "atomic" measured 5-6% slower at every M = 16-4096 (benchmarks/RESULTS.md 2026-12-07 07:30 UTC; the anchor's
-# variant ``project:gluon_sm90.BF16_REDUCE='atomic'``).
+# variant ``project:gluon_sm90.BF16_REDUCE='atomic'``); "last" is built, not yet measured (KERNEL_NOTES.md item 46).
 BF16_REDUCE = "pairs"
 
 
@@ -318,6 +324,27 @@ if available():
         quarter (:func:`_ragged_path`)."""
         quarter = block_m // 4
         return [(block_m, 0), (2 * quarter, quarter), (2 * quarter, 0), (quarter, 0)][path][part]
+
+    @constexpr_function
+    def ticket_layout(tokens, warps):
+        """[tokens, :func:`ticket_columns`] over a program's threads, one element each and none held twice: the
+        tickets of a tile's tokens (column 0) are taken by one thread each and read back where they were taken."""
+        lanes = min(32, tokens)
+        token_warps = min(warps, max(1, tokens // lanes))
+        return gl.BlockedLayout([1, 1], [lanes, 32 // lanes], [token_warps, warps // token_warps], [1, 0])
+
+    @constexpr_function
+    def ticket_columns(tokens, warps):
+        """Columns of :func:`ticket_layout`: the threads a token row of it spans."""
+        lanes = min(32, tokens)
+        token_warps = min(warps, max(1, tokens // lanes))
+        return (32 // lanes) * (warps // token_warps)
+
+    @constexpr_function
+    def sum_rows(block_n, tokens, warps):
+        """Output columns :func:`_sum_last_rows` sums at a time: 16 of a thread's values (and TOP_K loads of each in
+        flight): the whole [block_n, tokens] tile at once spilled 1.3-1.8 KB on the 128-token tile."""
+        return max(1, min(block_n, 16 * 32 * warps // tokens))
 
     @constexpr_function
     def zero_layout(warps):
@@ -664,10 +691,11 @@ if available():
                       CAST_FIRST)  # fmt: skip
 
     @gluon.jit
-    def _w2_rows(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
-                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
+    def _w2_rows(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, summed,
+                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr,
+                  SUM_LAST: gl.constexpr):  # fmt: skip
         """out[pair or token, n] (+)= w[pair] * acc for the TOKENS pairs from sorted slot ``first`` (:func:`_w2_store`'s
-        one accumulator)."""
+        one accumulator); SUM_LAST: then each token whose last row this was summed (:func:`_sum_last_rows`)."""
         ACC_LAYOUT: gl.constexpr = acc_layout(TOKENS, gl.num_warps())
         OUT_LAYOUT: gl.constexpr = out_layout(BLOCK_N, TOKENS, gl.num_warps())
         # Weighted in the accumulator's layout and converted in the output dtype: the layout change then takes
@@ -687,18 +715,57 @@ if available():
         else:
             ptrs = out_ptr + out_pairs.to(gl.int64) * stride_out + gl.expand_dims(offs_n, 1)
             gl.store(ptrs, acc, mask=mask)
+            if SUM_LAST:
+                _sum_last_rows(out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, summed, TOP_K,
+                               BLOCK_N, TOKENS)  # fmt: skip
+
+    @gluon.jit
+    def _sum_last_rows(rows_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_rows, summed,
+                       TOP_K: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):  # fmt: skip
+        """The top-k sum where the last row arrives (reduce "last", :data:`BF16_REDUCE`): with this tile's rows of its
+        TOKENS pairs stored, each pair's token takes a ticket of ``counts[token, pid_n]`` (``summed``: the [M, H]
+        output, the counts w13 cleared, the output's row stride); a token whose ticket is its TOP_K-th has every row
+        of these BLOCK_N columns written, and this program sums them in fp32, in order, as kernels/topk_sum.py does
+        (the same bits), into the output. A token's pairs are in different experts' blocks, so once in a tile.
+
+        The barrier orders every thread's stores before the acq_rel tickets (kernels/split_k.py add_and_arrive);
+        the rows come back past L1 (``.cg``), written by other SMs."""
+        sum_ptr, counts_ptr, stride_sum = summed
+        gl.thread_barrier()
+        TICKETS: gl.constexpr = ticket_layout(TOKENS, gl.num_warps())
+        j = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, TICKETS))
+        c = gl.arange(0, ticket_columns(TOKENS, gl.num_warps()), layout=gl.SliceLayout(0, TICKETS))
+        pairs = gl.expand_dims(gl.load(sorted_pairs_ptr + first + j), 1)
+        take = (pairs < num_pairs) & gl.expand_dims(c == 0, 0)  # one ticket a live pair
+        counters = counts_ptr + (pairs // TOP_K) * gl.cdiv(N, BLOCK_N) + pid_n + gl.expand_dims(c * 0, 0)
+        ones = gl.full(counters.shape, 1, gl.int32, TICKETS)
+        tickets = gl.atomic_add(counters, ones, mask=take, sem="acq_rel", scope="gpu")
+        last = gl.max(gl.where(take & (tickets == TOP_K - 1), 1, 0), axis=1)
+        SUM_N: gl.constexpr = sum_rows(BLOCK_N, TOKENS, gl.num_warps())
+        SUM_LAYOUT: gl.constexpr = out_layout(SUM_N, TOKENS, gl.num_warps())
+        last = gl.expand_dims(gl.convert_layout(last, gl.SliceLayout(0, SUM_LAYOUT)), 0) != 0
+        tokens = (_tile_pairs(sorted_pairs_ptr, first, TOKENS, SUM_LAYOUT) // TOP_K).to(gl.int64)
+        for n0 in range(0, BLOCK_N, SUM_N):  # a loop, not unrolled: each piece's TOP_K loads in flight at once
+            offs_n = gl.arange(0, SUM_N, layout=gl.SliceLayout(1, SUM_LAYOUT))
+            offs_n = gl.expand_dims(pid_n * BLOCK_N + n0 + offs_n, 1)
+            mask = (offs_n < N) & last
+            total = gl.zeros([SUM_N, TOKENS], gl.float32, SUM_LAYOUT)
+            for k in gl.static_range(TOP_K):
+                row = rows_ptr + (tokens * TOP_K + k) * stride_rows + offs_n
+                total += gl.load(row, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
+            gl.store(sum_ptr + tokens * stride_sum + offs_n, total.to(sum_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _w2_store(acc, acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
-                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, N_A: gl.constexpr,
-                  N_B: gl.constexpr):  # fmt: skip
+                  summed, TOP_K: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_N: gl.constexpr, N_A: gl.constexpr,
+                  N_B: gl.constexpr, SUM_LAST: gl.constexpr):  # fmt: skip
         """w2's epilogue for a block's first N_A pairs from sorted slot ``first`` (``acc``) and the N_B after them
         (``acc_b``, where N_B > 0): :func:`_w2_rows` of each."""
-        _w2_rows(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, TOP_K,
-                 ATOMIC, BLOCK_N, N_A)  # fmt: skip
+        _w2_rows(acc, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out, summed,
+                 TOP_K, ATOMIC, BLOCK_N, N_A, SUM_LAST)  # fmt: skip
         if N_B > 0:
             _w2_rows(acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first + N_A, pid_n, num_pairs, N, stride_out,
-                     TOP_K, ATOMIC, BLOCK_N, N_B)  # fmt: skip
+                     summed, TOP_K, ATOMIC, BLOCK_N, N_B, SUM_LAST)  # fmt: skip
 
     @gluon.jit
     def _weight_rows(qw_ptr, expert, rows, rows_ok, stride_qw_e, stride_qw_band, stride_qw_row):
@@ -739,16 +806,17 @@ if available():
     @gluon.jit
     def _w2_block(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
                   perm_row_ptr, K, stride_s_g, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs,
-                  N, stride_out, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
+                  N, stride_out, summed, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_LEN: gl.constexpr,
                   HAS_ZEROS: gl.constexpr, SYM_ZERO: gl.constexpr, STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr,
-                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr):  # fmt: skip
+                  TOP_K: gl.constexpr, ATOMIC: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr,
+                  SUM_LAST: gl.constexpr):  # fmt: skip
         """One w2 program: the K loop for its first N_A pairs (and the N_B after them), then their weighted stores
         or adds."""
         acc, acc_b = _k_loop(w_rows, w_ok, stride_step, rows_ok, scales_e, zeros_e, rows, x_ptr, token_rows, pair_mask,
                              perm_row_ptr, K, stride_s_g, ROWS, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, False,
                              STAGES, SCALE_AFTER, N_A, N_B)  # fmt: skip
         _w2_store(acc, acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
-                  TOP_K, ATOMIC, ROWS, N_A, N_B)  # fmt: skip
+                  summed, TOP_K, ATOMIC, ROWS, N_A, N_B, SUM_LAST)  # fmt: skip
 
     @gluon.jit
     def _w13_kernel(
@@ -796,15 +864,19 @@ if available():
     @gluon.jit
     def _w2_kernel(
         inter_ptr, qw_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
-        sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
+        sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, sum_ptr, counts_ptr,
         num_pairs, num_pid_m, N, K,
         stride_inter, stride_qw_e, stride_qw_band, stride_qw_row, stride_qw_step, stride_s_e, stride_s_g, stride_out,
+        stride_sum,
         TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
         ATOMIC: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
         SCALE_AFTER: gl.constexpr, RAGGED: gl.constexpr = False, DEPENDENT: gl.constexpr = False,
+        SUM_LAST: gl.constexpr = False,
     ):  # fmt: skip
-        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (RAGGED: as the w13 kernel)."""
+        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] (RAGGED: as the w13 kernel); SUM_LAST: out
+        holds per-pair rows, and each token's are summed into ``sum_ptr`` [M, N] where its last one is written
+        (``counts_ptr``: [M, N / BLOCK_N] int32 that w13 cleared; :func:`_sum_last_rows`)."""
         await_previous_kernel(DEPENDENT)
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
         pid_m, pid_n, pairs, expert, live = _block(gl.program_id(0), sorted_pairs_ptr, block_experts_ptr,
@@ -820,13 +892,13 @@ if available():
             # fmt: off
             args = (w_rows, w_ok, stride_qw_step, rows_ok, scales_ptr + expert * stride_s_e,
                     zeros_ptr + expert * stride_s_e, rows, inter_ptr, token_rows, pair_mask, inter_ptr, K, stride_s_g,
-                    topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N,
-                    stride_out)  # the runtime arguments, as in the w13 kernel
+                    topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
+                    (sum_ptr, counts_ptr, stride_sum))  # the runtime arguments, as in the w13 kernel
             path = _ragged_path(sorted_pairs_ptr, first, num_pairs, BLOCK_M, RAGGED)
             for p in gl.static_range(ragged_paths(RAGGED)):  # as the w13 kernel
                 if path == p:
                     _w2_block(*args, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, STAGES, SCALE_AFTER, TOP_K,
-                              ATOMIC, ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1))
+                              ATOMIC, ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1), SUM_LAST)
             # fmt: on
 
 
@@ -854,11 +926,11 @@ def ragged(tile: GluonTile, dtype: torch.dtype) -> bool:
 
 
 def launch_constants(tile: GluonTile, kernel: str, *, top_k: int, group_len: int, has_zeros: bool,
-                     has_perm: bool = False, atomic: bool = False, zero_out: bool = False,
+                     has_perm: bool = False, atomic: bool = False, zero_out: bool = False, sum_last: bool = False,
                      dtype: torch.dtype = torch.float16) -> dict:  # fmt: skip
     """The constexprs and launch options of ``kernel`` ("w13" or "w2") for ``tile``: what :func:`launch` launches
     and the CPU compile test (tests/runtime/test_gluon_compile_sm90.py) builds. The layouts are the kernels' own."""
-    flags = dict(HAS_PERM=has_perm, ZERO_OUT=zero_out) if kernel == "w13" else dict(ATOMIC=atomic)
+    flags = dict(HAS_PERM=has_perm, ZERO_OUT=zero_out) if kernel == "w13" else dict(ATOMIC=atomic, SUM_LAST=sum_last)
     return dict(
         flags,
         TOP_K=top_k,
@@ -900,16 +972,18 @@ def launch(
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment,  # pairs sorted by expert into blocks of config.gluon.block_m
     inter: torch.Tensor,  # [P, I] activation dtype: w13's output, w2's input
-    target: torch.Tensor,  # [P, H] activation dtype ("pairs"), else [M, H] added to: fp32 ("atomic") or out ("out")
+    target: torch.Tensor,  # [P, H] activation dtype ("pairs", "last"), else [M, H] added to: fp32 ("atomic") or out
     config: KernelConfig,  # its ``gluon`` tile (set) and ``reduce``; the tl tile is not read
     x_per_pair: bool = False,  # x is [P, H], one row per pair (act-order rows gathered by kernels/act_order.py)
+    out: torch.Tensor | None = None,  # [M, H]: where "last" sums each token's rows
 ) -> None:
     """w13 then w2 over the aligned token blocks ``rows``: ``inter`` receives ``silu(gate) * up``, ``target`` the
-    weighted w2 output, added to in fp32 (``reduce="atomic"``) or one row per pair."""
+    weighted w2 output, added to in fp32 (``reduce="atomic"``) or one row per pair (summed into ``out`` by w2 itself
+    where ``reduce="last"``)."""
     tile = config.gluon
     if tile is None or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_sm90.launch: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
-    top_k, atomic = topk_ids.shape[1], config.reduce != "pairs"
+    top_k, atomic = topk_ids.shape[1], adds_into_target(config.reduce)
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     num_pid_m = rows.max_blocks
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
@@ -918,16 +992,30 @@ def launch(
     w13, s13 = weights.w13_qweight, weights.w13_scales
     row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
     grid13 = (num_pid_m * triton.cdiv(n_inter, tile.block_n),)
-    zero_out = atomic  # w13 clears the [M, H] target w2 adds into (contiguous: fused_moe makes sure)
+    # w13 clears the [M, H] target w2 adds into (contiguous: fused_moe makes sure), or the counts "last" tickets
+    counts = last_counts(config.reduce, topk_ids.shape[0], h, tile.w2_rows, x.device)
+    cleared = counts if counts is not None else target
+    zero_out = atomic or counts is not None
     _w13_kernel[grid13](
-        x, w13, s13, zeros13, perm, inter, *row_args[:3], target, *row_args[3:], n_inter, h,
-        target.numel() if zero_out else 0,
+        x, w13, s13, zeros13, perm, inter, *row_args[:3], cleared, *row_args[3:], n_inter, h,
+        cleared.numel() if zero_out else 0,
         x.stride(0), *word_strides(w13, weights.tiled), s13.stride(0), s13.stride(1), inter.stride(0),
         **launch_constants(tile, "w13", top_k=1 if x_per_pair else top_k, group_len=weights.group_len(h),
                            has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out, dtype=x.dtype),
         **dependent_launches(x.device),
     )  # fmt: skip
-    launch_w2(inter, weights, topk_ids, topk_weights, rows, target, tile, config.reduce)
+    launch_w2(inter, weights, topk_ids, topk_weights, rows, target, tile, config.reduce, out, counts)
+
+
+def adds_into_target(reduce: str) -> bool:
+    """Whether w2 adds into an [M, H] target ("out", "atomic") rather than writing one row per pair."""
+    return reduce in ("out", "atomic")
+
+
+def last_counts(reduce: str, m: int, h: int, w2_rows: int, device: torch.device) -> torch.Tensor | None:
+    """reduce "last": the [M, H / w2_rows] int32 tickets of w2's top-k sum (one per token and weight-row tile),
+    uninitialised (w13 clears them); else None."""
+    return torch.empty(m * triton.cdiv(h, w2_rows), dtype=torch.int32, device=device) if reduce == "last" else None
 
 
 def launch_w2(
@@ -938,19 +1026,27 @@ def launch_w2(
     rows: Alignment,  # pairs sorted by expert into blocks of tile.block_m
     target: torch.Tensor,  # as :func:`launch`'s
     tile: GluonTile,
-    reduce: str,  # "pairs", "out" or "atomic"
+    reduce: str,  # "pairs", "out", "atomic" or "last"
+    out: torch.Tensor | None = None,  # "last": [M, H], each token's rows summed into it
+    counts: torch.Tensor | None = None,  # "last": :func:`last_counts` for tile.w2_rows, cleared by w13
 ) -> None:
     """w2 alone (:func:`launch`'s second launch; the warp-specialized w13 is followed by it where K is short)."""
     h, n_inter, num_pairs, num_pid_m = weights.hidden_size, weights.intermediate_size, topk_ids.numel(), rows.max_blocks
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     w2, s2 = weights.w2_qweight, weights.w2_scales
-    row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
+    row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks]
+    sum_last = reduce == "last"
+    if sum_last and (out is None or counts is None):
+        raise ValueError("gluon_sm90.launch_w2: reduce 'last' sums into an output through counts w13 cleared")
+    summed = [out, counts] if sum_last else [target, target]  # unread unless "last"
     grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](
-        inter, w2, s2, zeros2, topk_weights, target, *row_args, h, n_inter,
+        inter, w2, s2, zeros2, topk_weights, target, *row_args, *summed, num_pairs, num_pid_m, h, n_inter,
         inter.stride(0), *word_strides(w2, weights.tiled), s2.stride(0), s2.stride(1), target.stride(0),
+        summed[0].stride(0),
         **launch_constants(tile, "w2", top_k=topk_ids.shape[1], group_len=weights.group_len(n_inter),
-                           has_zeros=weights.w2_zeros is not None, atomic=reduce != "pairs", dtype=inter.dtype),
+                           has_zeros=weights.w2_zeros is not None, atomic=adds_into_target(reduce), sum_last=sum_last,
+                           dtype=inter.dtype),
         **dependent_launches(inter.device),
     )  # fmt: skip
 
@@ -961,6 +1057,7 @@ class GluonSm90(KernelFamily):
     family = Family.GLUON_SM90
     topk_sum = TopkSum.BY_REDUCE
     clears_target = True  # w13 zeroes the [M, H] target ("atomic", "out") w2 adds into
+    reduce_modes = ("pairs", "atomic", "out", "last")  # "last": w2 sums each token's rows (_sum_last_rows)
     interpreted = False  # Gluon: compiled for the GPU only
 
     def supports(self, call: Call) -> bool:
@@ -973,7 +1070,8 @@ class GluonSm90(KernelFamily):
 
     def configure(self, config: KernelConfig, call: Call) -> KernelConfig | None:
         """A config with a tile of these kernels runs it; one without takes :func:`heuristic_tile`'s tile and
-        :func:`heuristic_reduce`'s sum, where :func:`preferred` (or $GLUON_ENV) says so."""
+        :func:`heuristic_reduce`'s sum, where :func:`preferred` (or $GLUON_ENV) says so. "last" past
+        :data:`SUM_LAST_MAX_M` tokens a tile is "pairs"."""
         if not self.supports(call):
             return None
         tile, reduce = config.gluon, config.reduce
@@ -983,6 +1081,8 @@ class GluonSm90(KernelFamily):
                 return None
             tile = heuristic_tile(call.num_pairs, call.weights.num_experts, call.dtype)
             reduce = heuristic_reduce(call.dtype)
+        if reduce == "last" and tile.block_m > SUM_LAST_MAX_M:
+            reduce = "pairs"
         return replace(config, family=self.family, gluon=fitted_tile(tile, call.weights, call.dtype), reduce=reduce)
 
     def heuristic(self, call: Call) -> KernelConfig | None:
@@ -1005,10 +1105,10 @@ class GluonSm90(KernelFamily):
             from repack.runtime.kernels import gluon_ws_sm90
 
             gluon_ws_sm90.launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target,
-                                 config.gluon, config.reduce, x_per_pair=x_per_pair)  # fmt: skip
+                                 config.gluon, config.reduce, x_per_pair=x_per_pair, out=work.out)  # fmt: skip
         else:
             launch(x, weights, work.topk_ids, work.topk_weights, work.rows, inter, work.target, config,
-                   x_per_pair=x_per_pair)  # fmt: skip
+                   x_per_pair=x_per_pair, out=work.out)  # fmt: skip
 
 
 FAMILY = GluonSm90()

@@ -23,7 +23,8 @@ wave. Here:
   tile and dead tiles (alignment bound past the real block count) cost no program.
 
 - w2, where its sum is added into the target, takes an equal range of the flattened (tile, K step) work per
-  program (stream-K, :data:`W2_STREAM_K`), not whole tiles.
+  program (stream-K, :data:`W2_STREAM_K`; optionally after whole waves, :data:`W2_WHOLE_WAVES`), not whole tiles:
+  runtime/kernels/schedule.py deals the work lists both partitions walk.
 
 gluon_sm90's family runs these for a tile with ``per_sm`` set (runtime/kernel_config.py; benchmarks/probe_gluon_ws.py
 measures them against gluon_sm90's kernels on the same calls, KERNEL_NOTES items 25-26). Layout of the words: the
@@ -43,6 +44,7 @@ from repack.runtime.kernel_config import GluonTile
 from repack.runtime.kernels import gluon_sm90
 from repack.runtime.kernels.align import Alignment
 from repack.runtime.kernels.common import await_previous_kernel, dependent_launches, tile_ids
+from repack.runtime.kernels.schedule import STREAM_K, WAVES_THEN_STREAM_K, WHOLE_TILES, work_item, work_share
 from repack.runtime.weights import MoeWeights
 
 if gluon_sm90.available():
@@ -108,6 +110,12 @@ WIDE_PRODUCER_REGS = 56  # 128-token tiles: see producer_regs
 # at M = 1-4: 128-352 tiles of 112 steps for 528 programs) left most programs idle, a partial last wave cost up to a
 # tile's time elsewhere (KERNEL_NOTES.md item 26). A program's range ends mid-tile: its partial sum is added as is.
 W2_STREAM_K = True
+# ... and with W2_WHOLE_WAVES, every full wave of tiles but the last dealt whole first, round-robin, only the rest cut
+# into ranges (kernels/schedule.py WAVES_THEN_STREAM_K; the same as stream-K where there are fewer tiles than two
+# waves, as in Mixtral's decode). Why: the 128-token w2 persistent lost 5-19% at M = 4096 (item 45), where
+# stream-K holds tiles a whole share apart at once (no L2 reuse of an expert's weights or a block's activations
+# between neighbours) and splits tiles it need not. Off until measured (KERNEL_NOTES.md item 46).
+W2_WHOLE_WAVES = False
 # w2's weight rows per tile: 128, two boxes of words a K step as w13's gate and up boxes, so the consumer's fixed cost
 # per step (barrier wait, fence, activations from shared memory) moves twice the bytes. H100, same process as Marlin
 # (KERNEL_NOTES.md item 29): w2 at M = 4-64 against 64 rows 3-10% faster (DeepSeek-V3 M = 16 309 -> 281 us,
@@ -130,23 +138,8 @@ if gluon_sm90.available():
         return gl.load(num_blocks_ptr) * n_tiles, n_tiles
 
     @gluon.jit
-    def _share(num_tiles, num_steps, STREAM_K: gl.constexpr):
-        """This program's work: (first tile, end tile, tile stride, start, end), tile ``t`` taking the K steps
-        ``[max(start - t * num_steps, 0), min(end - t * num_steps, num_steps))``. Round-robin: tiles pid, pid + P,
-        ... whole. STREAM_K: the range [start, end) of the flattened (tile, step) work, one equal share per program
-        (at least STREAM_K_MIN_STEPS steps), so it may begin and end inside a tile."""
-        if STREAM_K:
-            total = num_tiles * num_steps
-            share = gl.maximum(gl.cdiv(total, gl.num_programs(0)), _STREAM_K_MIN_STEPS)
-            start = gl.program_id(0) * share
-            end = gl.minimum(start + share, total)
-            return start // num_steps, gl.cdiv(end, num_steps), 1, start, end
-        else:
-            return gl.program_id(0), num_tiles, gl.num_programs(0), 0, num_tiles * num_steps
-
-    @gluon.jit
     def _prefetch_first_steps(qw_ptr, block_experts_ptr, num_blocks_ptr, N, K, BLOCK_N: gl.constexpr,
-                              GROUP_M: gl.constexpr, STREAM_K: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
+                              GROUP_M: gl.constexpr, SPLIT: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
         """Before a dependent w2 waits for w13 (runtime/kernels/backend.py dependent_launch): the words of its first
         tile's first STEPS K steps asked of L2, every 128-byte line (``prefetch.global.L2``), so they stream while
         w13's last programs still run (a thin last round of whole tiles: KERNEL_NOTES.md items 32-33). The block
@@ -155,9 +148,10 @@ if gluon_sm90.available():
         n_tiles = gl.cdiv(N, BLOCK_N)
         num_tiles = gl.load(num_blocks_ptr, cache_modifier=".cg") * n_tiles
         num_steps = K // 128
-        first, last, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
-        if first < last:
-            step0, step1 = _tile_steps(first, num_steps, start, end)
+        pid, programs = gl.program_id(0), gl.num_programs(0)
+        item, stop, _, whole, start, end = work_share(pid, programs, num_tiles, num_steps, SPLIT, _STREAM_K_MIN_STEPS)
+        if item < stop:
+            first, step0, step1 = work_item(item, pid, programs, whole, start, end, num_steps, SPLIT)
             pid_m, pid_n = tile_ids(first, num_tiles // n_tiles, n_tiles, GROUP_M)
             expert = gl.load(block_experts_ptr + pid_m, cache_modifier=".cg").to(gl.int64)
             BOXES: gl.constexpr = BLOCK_N // 64
@@ -170,15 +164,10 @@ if gluon_sm90.available():
                                       is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
-    def _tile_steps(t, num_steps, start, end):
-        """The K steps tile ``t`` takes of the range [start, end) (see :func:`_share`)."""
-        return gl.maximum(start - t * num_steps, 0), gl.minimum(end - t * num_steps, num_steps)
-
-    @gluon.jit
     def _producer(w_desc, src_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready, empty,
                   num_pairs, rows_per_expert, N, half_stride, K, stride_src, ROW_DIV: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, BOXES: gl.constexpr,
-                  HALF_BOXES: gl.constexpr, STREAM_K: gl.constexpr, TILES: gl.constexpr):  # fmt: skip
+                  HALF_BOXES: gl.constexpr, SPLIT: gl.constexpr, TILES: gl.constexpr):  # fmt: skip
         """The worker partition: every K step of every tile of this program into the ring. A stage is ready when
         its TMA bytes (BOXES boxes of words) and each lane's cp.async copies (the activations) have landed.
 
@@ -194,15 +183,17 @@ if gluon_sm90.available():
         r = gl.arange(0, PART_ROWS, layout=gl.SliceLayout(1, x_layout(gl.num_warps())))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
         num_steps = K // 128
-        first, last, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
+        pid, programs = gl.program_id(0), gl.num_programs(0)
+        first_item, stop, stride, whole, start, end = work_share(pid, programs, num_tiles, num_steps, SPLIT,
+                                                                 _STREAM_K_MIN_STEPS)  # fmt: skip
         it = 0
-        for t in range(first, last, stride):
+        for i in range(first_item, stop, stride):
+            t, step0, step1 = work_item(i, pid, programs, whole, start, end, num_steps, SPLIT)
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
             pairs = gl.expand_dims(gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + r % BLOCK_M), 1)
             token_rows = src_ptr + (pairs // ROW_DIV).to(gl.int64) * stride_src
             pair_mask = pairs < num_pairs
             row0 = gl.load(block_experts_ptr + pid_m) * rows_per_expert + pid_n * BLOCK_N
-            step0, step1 = _tile_steps(t, num_steps, start, end)
             for step in range(step0, step1):
                 stage = it % STAGES
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
@@ -292,8 +283,10 @@ if gluon_sm90.available():
         WORD_LAYOUT: gl.constexpr = word_layout(ROWS, gl.num_warps())
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, WORD_LAYOUT))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
+        first_item, stop, stride, _, _, _ = work_share(gl.program_id(0), gl.num_programs(0), num_tiles, K // 128,
+                                                       WHOLE_TILES, _STREAM_K_MIN_STEPS)  # fmt: skip
         it = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        for t in range(first_item, stop, stride):  # whole tiles: each item is its tile, every K step
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
             expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
             channels = pid_n * BLOCK_N + offs_r % BLOCK_N
@@ -312,10 +305,10 @@ if gluon_sm90.available():
 
     @gluon.jit
     def _w2_tile(w_smem, x_smem, ready, empty, it, scales_e, zeros_e, rows, step0, step1, topk_weights_ptr, out_ptr,
-                 sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_s_g, stride_out, TOP_K: gl.constexpr,
+                 sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_s_g, stride_out, summed, TOP_K: gl.constexpr,
                  GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr, ATOMIC: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SCALE_AFTER: gl.constexpr, N_A: gl.constexpr,
-                 N_B: gl.constexpr):  # fmt: skip
+                 N_B: gl.constexpr, SUM_LAST: gl.constexpr):  # fmt: skip
         """One w2 tile's K steps [step0, step1), its first N_A tokens (and the N_B after them): the sums, then their
         weighted stores or adds; the ring position after it."""
         DTYPE: gl.constexpr = x_smem.dtype
@@ -323,38 +316,40 @@ if gluon_sm90.available():
                                    stride_s_g, BLOCK_N, BLOCK_M, GROUP_LEN, HAS_ZEROS, SYM_ZERO, SCALE_AFTER, DTYPE,
                                    N_A, N_B)  # fmt: skip
         _w2_store(acc, acc_b, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n, num_pairs, N, stride_out,
-                  TOP_K, ATOMIC, BLOCK_N, N_A, N_B)  # fmt: skip
+                  summed, TOP_K, ATOMIC, BLOCK_N, N_A, N_B, SUM_LAST)  # fmt: skip
         return it
 
     @gluon.jit
     def _w2_consumer(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
                      sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e, stride_s_g,
-                     stride_out, TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr,
+                     stride_out, summed, TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr,
                      HAS_ZEROS: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      GROUP_M: gl.constexpr, SCALE_AFTER: gl.constexpr, DTYPE: gl.constexpr,
-                     STREAM_K: gl.constexpr, RAGGED: gl.constexpr):  # fmt: skip
-        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for every tile (or, STREAM_K, every piece
-        of a tile: :func:`_share`) of this program; RAGGED as the w13 consumer."""
+                     SPLIT: gl.constexpr, RAGGED: gl.constexpr, SUM_LAST: gl.constexpr):  # fmt: skip
+        """out[pair or token, n] (+)= w[pair] * (W2[e] @ inter[pair])[n] for every tile, or piece of a tile, of this
+        program's work list (kernels/schedule.py, SPLIT); RAGGED as the w13 consumer."""
         WORD_LAYOUT: gl.constexpr = word_layout(BLOCK_N, gl.num_warps())
         offs_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
         num_tiles, n_tiles = _live_tiles(num_blocks_ptr, N, BLOCK_N)
         num_steps = K // 128
-        first_tile, last_tile, stride, start, end = _share(num_tiles, num_steps, STREAM_K)
+        pid, programs = gl.program_id(0), gl.num_programs(0)
+        first_item, stop, stride, whole, start, end = work_share(pid, programs, num_tiles, num_steps, SPLIT,
+                                                                 _STREAM_K_MIN_STEPS)  # fmt: skip
         it = 0
-        for t in range(first_tile, last_tile, stride):
+        for i in range(first_item, stop, stride):
+            t, step0, step1 = work_item(i, pid, programs, whole, start, end, num_steps, SPLIT)
             pid_m, pid_n = tile_ids(t, num_tiles // n_tiles, n_tiles, GROUP_M)
             expert = gl.load(block_experts_ptr + pid_m).to(gl.int64)
-            step0, step1 = _tile_steps(t, num_steps, start, end)
             first = pid_m * BLOCK_M
             # fmt: off
             args = (w_smem, x_smem, ready, empty, it, scales_ptr + expert * stride_s_e, zeros_ptr + expert * stride_s_e,
                     pid_n * BLOCK_N + offs_r, step0, step1, topk_weights_ptr, out_ptr, sorted_pairs_ptr, first, pid_n,
-                    num_pairs, N, stride_s_g, stride_out)  # the runtime arguments, as in the w13 consumer
+                    num_pairs, N, stride_s_g, stride_out, summed)  # the runtime arguments, as in the w13 consumer
             path = _ragged_path(sorted_pairs_ptr, first, num_pairs, BLOCK_M, RAGGED)
             for p in gl.static_range(ragged_paths(RAGGED)):  # as the w13 consumer
                 if path == p:
                     it = _w2_tile(*args, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, SCALE_AFTER,
-                                  ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1))
+                                  ragged_width(BLOCK_M, p, 0), ragged_width(BLOCK_M, p, 1), SUM_LAST)
             # fmt: on
 
     @gluon.jit
@@ -394,25 +389,27 @@ if gluon_sm90.available():
                              GROUP_LEN, SYM_ZERO, HAS_ZEROS, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE, RAGGED)),
             (_producer, (w_desc, x_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem, ready,
                          empty, num_pairs, 2 * N, N, N, K, stride_x, TOP_K, BLOCK_M, BLOCK_N, GROUP_M,
-                         2 * BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, False, TILES)),
+                         2 * BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, WHOLE_TILES, TILES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
         # fmt: on
 
     @gluon.jit
     def _w2_ws_kernel(
         w_desc, qw_ptr, inter_ptr, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr,
-        block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_inter, stride_s_e, stride_s_g, stride_out,
-        TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr, HAS_ZEROS: gl.constexpr,
-        ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        STREAM_K: gl.constexpr, TILES: gl.constexpr, RAGGED: gl.constexpr = False, DEPENDENT: gl.constexpr = False,
-        PREFETCH: gl.constexpr = 0,
+        block_experts_ptr, num_blocks_ptr, sum_ptr, counts_ptr, num_pairs, N, K, stride_inter, stride_s_e, stride_s_g,
+        stride_out, stride_sum, TOP_K: gl.constexpr, GROUP_LEN: gl.constexpr, SYM_ZERO: gl.constexpr,
+        HAS_ZEROS: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALE_AFTER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, SPLIT: gl.constexpr, TILES: gl.constexpr, RAGGED: gl.constexpr = False,
+        DEPENDENT: gl.constexpr = False, PREFETCH: gl.constexpr = 0, SUM_LAST: gl.constexpr = False,
     ):  # fmt: skip
-        """out (+)= route weight * inter W2^T over the aligned blocks (STREAM_K: added, ATOMIC, in equal ranges of
-        the (tile, K step) work). A dependent launch on tiled words first asks L2 for its first PREFETCH steps."""
+        """out (+)= route weight * inter W2^T over the aligned blocks, each program's work list dealt as SPLIT says
+        (kernels/schedule.py; pieces of tiles only where the sum is added, ATOMIC). A dependent launch on tiled words
+        first asks L2 for its first PREFETCH steps. SUM_LAST: out holds per-pair rows, each token's summed into
+        ``sum_ptr`` where its last one is written (gluon_sm90._sum_last_rows; whole tiles)."""
         DTYPE: gl.constexpr = inter_ptr.dtype.element_ty
         if DEPENDENT and TILES and PREFETCH > 0:
-            _prefetch_first_steps(qw_ptr, block_experts_ptr, num_blocks_ptr, N, K, BLOCK_N, GROUP_M, STREAM_K,
+            _prefetch_first_steps(qw_ptr, block_experts_ptr, num_blocks_ptr, N, K, BLOCK_N, GROUP_M, SPLIT,
                                   PREFETCH)  # fmt: skip
         await_previous_kernel(DEPENDENT)
         w_smem, x_smem, ready, empty = _ring(DTYPE, BLOCK_N, BLOCK_M, STAGES)
@@ -420,11 +417,12 @@ if gluon_sm90.available():
         gl.warp_specialize([
             (_w2_consumer, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, topk_weights_ptr, out_ptr,
                             sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, num_pairs, N, K, stride_s_e,
-                            stride_s_g, stride_out, TOP_K, GROUP_LEN, SYM_ZERO, HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N,
-                            GROUP_M, SCALE_AFTER, DTYPE, STREAM_K, RAGGED)),
+                            stride_s_g, stride_out, (sum_ptr, counts_ptr, stride_sum), TOP_K, GROUP_LEN, SYM_ZERO,
+                            HAS_ZEROS, ATOMIC, BLOCK_M, BLOCK_N, GROUP_M, SCALE_AFTER, DTYPE, SPLIT, RAGGED,
+                            SUM_LAST)),
             (_producer, (w_desc, inter_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr, w_smem, x_smem,
                          ready, empty, num_pairs, N, N, 0, K, stride_inter, 1, BLOCK_M, BLOCK_N, GROUP_M,
-                         BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, STREAM_K, TILES)),
+                         BLOCK_N // _BOX_ROWS, BLOCK_N // _BOX_ROWS, SPLIT, TILES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
         # fmt: on
 
@@ -470,6 +468,15 @@ def w2_rows(tile: GluonTile) -> int:
     return W2_ROWS * tile.warps // 4
 
 
+def w2_split(atomic: bool) -> int:
+    """How w2's programs deal its work (kernels/schedule.py): in ranges (:data:`W2_STREAM_K`, after whole waves with
+    :data:`W2_WHOLE_WAVES`) where its sum is added (``atomic``: a piece of a tile adds its partial sum), else whole
+    tiles."""
+    if not (atomic and W2_STREAM_K):
+        return int(WHOLE_TILES)
+    return int(WAVES_THEN_STREAM_K if W2_WHOLE_WAVES else STREAM_K)
+
+
 def programs(tiles: int, device: torch.device, per_sm: int) -> int:
     """The persistent grid: ``per_sm`` programs on every SM, never more than the tiles the alignment allows."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -483,18 +490,26 @@ def launch(
     topk_weights: torch.Tensor,  # [M, T] fp32
     rows: Alignment,  # pairs sorted by expert into blocks of tile.block_m
     inter: torch.Tensor,  # [P, I] activation dtype
-    target: torch.Tensor,  # [P, H] ("pairs") or [M, H] added to ("out", "atomic")
+    target: torch.Tensor,  # [P, H] ("pairs", "last") or [M, H] added to ("out", "atomic")
     tile: GluonTile,  # block_m tokens, 16 channels a consumer warp (w13: 32 rows; w2: W2_ROWS a warpgroup), per_sm > 0
-    reduce: str,  # "pairs", "out" or "atomic" (runtime/kernel_config.py)
+    reduce: str,  # "pairs", "out", "atomic" or "last" (runtime/kernel_config.py)
     x_per_pair: bool = False,  # x is [P, H], one row per pair (act-order rows gathered by kernels/act_order.py)
+    out: torch.Tensor | None = None,  # [M, H]: where "last" sums each token's rows
 ) -> None:
     """w13 then w2, warp-specialized and persistent (``tile.per_sm`` programs per SM, their register cap
     ``tile.registers``), on the same inputs as :func:`gluon_sm90.launch`; a w2 of K below
     :data:`W2_PERSISTENT_MIN_K` or of a tile past :data:`W2_PERSISTENT_MAX_M` tokens as gluon_sm90's."""
     if weights.w13_perm is not None or not tile.per_sm or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_ws_sm90.launch: tile {tile} / act-order: a per_sm tile and plain stacks")
-    atomic = reduce != "pairs"
+    atomic = gluon_sm90.adds_into_target(reduce)
     top_k, h, n_inter, num_pairs = topk_ids.shape[1], weights.hidden_size, weights.intermediate_size, topk_ids.numel()
+    w2_persistent = n_inter >= W2_PERSISTENT_MIN_K and tile.block_m <= W2_PERSISTENT_MAX_M
+    tile2 = tile if w2_persistent else replace(tile, per_sm=0)  # the one-program w2 where it runs
+    rows2 = w2_rows(tile) if w2_persistent else tile2.w2_rows
+    # w13 clears the [M, H] target w2 adds into, or the counts of "last"'s tickets (for w2's weight-row tiles)
+    counts = gluon_sm90.last_counts(reduce, topk_ids.shape[0], h, rows2, x.device)
+    cleared = counts if counts is not None else target
+    zero_out = atomic or counts is not None
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
     has_zeros = weights.w13_zeros is not None
     s13 = weights.w13_scales
@@ -507,24 +522,25 @@ def launch(
     _w13_ws_kernel[grid13](
         words_descriptor(weights.w13_qweight, weights.tiled), x, s13, zeros13, inter, rows.sorted_pairs,
         rows.block_experts,
-        rows.num_blocks, target, num_pairs, n_inter, h, target.numel() if atomic else 0, x.stride(0), s13.stride(0),
-        s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
-        ZERO_OUT=atomic, BLOCK_N=tile.block_n, **common,
+        rows.num_blocks, cleared, num_pairs, n_inter, h, cleared.numel() if zero_out else 0, x.stride(0),
+        s13.stride(0), s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
+        ZERO_OUT=zero_out, BLOCK_N=tile.block_n, **common,
     )  # fmt: skip
-    if n_inter < W2_PERSISTENT_MIN_K or tile.block_m > W2_PERSISTENT_MAX_M:
-        gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, replace(tile, per_sm=0), reduce)
+    if not w2_persistent:
+        gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, tile2, reduce, out, counts)
         return
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     s2 = weights.w2_scales
-    stream_k = atomic and W2_STREAM_K
-    rows2 = w2_rows(tile)
-    work2 = rows.max_blocks * triton.cdiv(h, rows2)  # tiles at most; stream-K: ranges of STREAM_K_MIN_STEPS at most
-    if stream_k:
+    sum_last = reduce == "last"
+    summed = [out, counts] if sum_last else [target, target]  # unread unless "last"
+    work2 = rows.max_blocks * triton.cdiv(h, rows2)  # tiles at most; split: ranges of STREAM_K_MIN_STEPS at most
+    if w2_split(atomic) != WHOLE_TILES:
         work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
     grid2 = (programs(work2, x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
         words_descriptor(weights.w2_qweight, weights.tiled), weights.w2_qweight, inter, s2, zeros2, topk_weights,
-        target, rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, h, n_inter, inter.stride(0),
-        s2.stride(0), s2.stride(1), target.stride(0), TOP_K=top_k, GROUP_LEN=weights.group_len(n_inter),
-        ATOMIC=atomic, BLOCK_N=rows2, STREAM_K=stream_k, PREFETCH=PREFETCH_STEPS, **common,
+        target, rows.sorted_pairs, rows.block_experts, rows.num_blocks, *summed, num_pairs, h, n_inter,
+        inter.stride(0), s2.stride(0), s2.stride(1), target.stride(0), summed[0].stride(0), TOP_K=top_k,
+        GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=rows2, SPLIT=w2_split(atomic),
+        PREFETCH=PREFETCH_STEPS, SUM_LAST=sum_last, **common,
     )  # fmt: skip

@@ -10,10 +10,7 @@ CUDA-core decode (benchmarks/KERNEL_NOTES.md items 36-37).
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -23,7 +20,7 @@ from repack.runtime.fused_moe import choose_family, fused_moe, heuristic_config
 from repack.runtime.kernel_config import Family, KernelConfig
 from repack.runtime.kernels import decode, decode_mma, gluon_sm90, split_k
 from repack.runtime.kernels.family import Call
-from tests.support.sm90 import before_dependency_wait, ptxas_spills
+from tests.support.sm90 import before_dependency_wait, compile_child, ptxas_spills
 from tests.support.stacks import gpu_random_stack, on_device, zero_stack
 
 CPU = torch.device("cpu")
@@ -146,13 +143,7 @@ print(json.dumps(report))
 
 
 def _compile(act: str, asym: bool, block_n: int, warps: int, route: bool) -> dict:
-    import os
-
-    env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
-    args = [act, "1" if asym else "0", str(block_n), str(warps), "1" if route else "0"]
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return compile_child(_CHILD, act, "1" if asym else "0", str(block_n), str(warps), "1" if route else "0")
 
 
 def _k_loop_instructions(ptx: str) -> int:

@@ -87,16 +87,21 @@ def test_gptq_order_adds_the_top_k_into_the_output(device):
     assert err <= 2e-3
 
 
+def _six_tokens_top2(device, seed: int) -> tuple:
+    """(an mma128 stack of 4 experts, H 256, I 128; ids, routing weights and fp16 x of 6 tokens at top-2) on
+    ``device``: a call the top-k sum tests compare bit for bit."""
+    weights, _ = make_stack(4, 256, 128, GptqScheme(4, 128, True, "gptq"), word_order="mma128")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 4, (6, 2), generator=gen).to(torch.int32)
+    route_w = torch.rand(6, 2, generator=gen)
+    x = torch.randn(6, 256, generator=gen).to(torch.float16)
+    return on_device(weights, device), ids.to(device), route_w.to(device), x.to(device)
+
+
 def test_reduce_out_falls_back_to_fp32_atomics_where_it_cannot_run(device):
     """bf16 (eight roundings per element) and a strided ``out`` take the fp32 atomic sum instead, bit for bit (on
     the tl kernels, which keep a config's REDUCE; the Gluon path takes its heuristic's with its tile)."""
-    scheme = GptqScheme(4, 128, True, "gptq")
-    weights, _ = make_stack(4, 256, 128, scheme, word_order="mma128")
-    weights = on_device(weights, device)
-    gen = torch.Generator().manual_seed(12)
-    ids = torch.randint(0, 4, (6, 2), generator=gen).to(torch.int32).to(device)
-    route_w = torch.rand(6, 2, generator=gen).to(device)
-    x = torch.randn(6, 256, generator=gen).to(torch.float16).to(device)
+    weights, ids, route_w, x = _six_tokens_top2(device, seed=12)
     config, atomic = dict(WEIGHT_MAJOR, REDUCE="out"), dict(WEIGHT_MAJOR, REDUCE="atomic")
     strided = torch.full((6, 512), float("nan"), dtype=torch.float16, device=device)[:, ::2]
     got = fused_moe(x, weights, ids, route_w, config=config, out=strided)
@@ -106,6 +111,15 @@ def test_reduce_out_falls_back_to_fp32_atomics_where_it_cannot_run(device):
     assert torch.equal(
         fused_moe(xb, weights, ids, route_w, config=config), fused_moe(xb, weights, ids, route_w, config=atomic)
     )
+
+
+def test_reduce_last_runs_as_pairs_where_w2_does_not_sum(device):
+    """REDUCE="last" (each token's rows summed by the w2 program that writes its last one: the Gluon kernels' own,
+    kernels/gluon_sm90.py _sum_last_rows) runs as "pairs" on the tl kernels: the same bits, every row summed."""
+    weights, ids, route_w, x = _six_tokens_top2(device, seed=13)
+    out = torch.full((6, 256), float("nan"), dtype=torch.float16, device=device)
+    got = fused_moe(x, weights, ids, route_w, config=dict(WEIGHT_MAJOR, REDUCE="last"), out=out)
+    assert torch.equal(got, fused_moe(x, weights, ids, route_w, config=dict(WEIGHT_MAJOR, REDUCE="pairs")))
 
 
 def test_direct_top1_group_all_partial_k_block(device):

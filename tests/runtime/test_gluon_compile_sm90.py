@@ -11,15 +11,19 @@ in a subprocess because the test session sets TRITON_INTERPRET.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+import torch
 
 from repack.runtime.kernels import gluon_sm90
-from tests.support.sm90 import SM90_SHARED_LIMIT, before_dependency_wait, local_memory_in_mma_loops, ptxas_spills
+from tests.support.sm90 import (
+    SM90_SHARED_LIMIT,
+    before_dependency_wait,
+    compile_child,
+    local_memory_in_mma_loops,
+    ptxas_spills,
+)
 
 VARIANTS = [("float16", False), ("bfloat16", True)]  # (activation dtype, asym with act-order)
 
@@ -36,14 +40,16 @@ cfg = GluonTile(*json.loads(sys.argv[1]))
 act, asym = sys.argv[2], sys.argv[3] == "1"
 g.RAGGED_TILES = sys.argv[4:5] == ["1"]  # benchmarks/ptx_dump.py passes three
 g.RAGGED_ONE_PROGRAM_MIN_M = 64  # ragged: every 64- and 128-token tile, as the anchor's variants can ask
+sum_last = sys.argv[5:6] == ["1"]  # w2 writes per-pair rows and sums each token's where its last one lands
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
-types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr="*fp32", qw_ptr="*i32", scales_ptr="*fp16",
-             zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",
-             block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32", zero_ptr="*fp32")
+types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr if sum_last else "*fp32", sum_ptr=ptr, qw_ptr="*i32",
+             scales_ptr="*fp16", zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",
+             block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32", zero_ptr="*fp32",
+             counts_ptr="*i32")
 report = {}
 for name, kernel in (("w13", g._w13_kernel), ("w2", g._w2_kernel)):
-    consts = g.launch_constants(cfg, name, top_k=8, group_len=128, has_zeros=asym, has_perm=asym, atomic=True,
-                                zero_out=True, dtype=getattr(torch, act))
+    consts = g.launch_constants(cfg, name, top_k=8, group_len=128, has_zeros=asym, has_perm=asym,
+                                atomic=not sum_last, zero_out=True, sum_last=sum_last, dtype=getattr(torch, act))
     num_warps = consts.pop("num_warps")
     consts["DEPENDENT"] = True  # as launched on sm_90 (kernels/backend.py dependent_launch)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
@@ -56,19 +62,9 @@ print(json.dumps(report))
 """
 
 
-def _compile(cfg, act: str, asym: bool, ragged: bool = False) -> dict:
-    # compile, never interpret: an explicit 0 also keeps repack.runtime from switching the interpreter on
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    tile = json.dumps(cfg.to_list())
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, tile, act, "1" if asym else "0", "1" if ragged else "0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _compile(cfg, act: str, asym: bool, ragged: bool = False, sum_last: bool = False) -> dict:
+    flags = ["1" if asym else "0", "1" if ragged else "0", "1" if sum_last else "0"]
+    return compile_child(_CHILD, json.dumps(cfg.to_list()), act, *flags)
 
 
 def loop_waits(ptx: str) -> list[int]:
@@ -145,3 +141,21 @@ def test_ragged_tiles_compile_for_sm90(act, asym):
             widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)}
             assert widths == {cfg.block_m, cfg.block_m // 2, cfg.block_m // 4}, f"{where}: widths {sorted(widths)}"
             assert 2 in loop_waits(ptx), f"{where}: the two accumulators' MMAs are not kept in flight together"
+
+
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+def test_w2_summing_last_rows_compiles_for_sm90(act):
+    """reduce "last" (gluon_sm90._sum_last_rows) on every one-program tile `repack tune` may pick up to 64 tokens
+    (SUM_LAST_MAX_M: 32 shipped, 64 in the anchor's variant; wider ones sum "pairs"): no spills, one acq_rel ticket
+    at GPU scope per token of a tile (no other ordered atomic), and the rows read back past L1."""
+    from repack.runtime.tune import GLUON_TILES
+
+    assert gluon_sm90.SUM_LAST_MAX_M <= 64
+    for cfg in (t for t in GLUON_TILES if not t.per_sm and t.block_m <= 64):
+        ragged = gluon_sm90.ragged(cfg, getattr(torch, act))
+        ptx = _compile(cfg, act, False, ragged=ragged, sum_last=True)["w2"]["ptx"]
+        where = f"{cfg} w2 {act} last"
+        assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
+        atomics = re.findall(r"\batom\.[\w.]+", ptx)
+        assert atomics and set(atomics) == {"atom.global.gpu.acq_rel.add.u32"}, f"{where}: {atomics}"
+        assert "ld.global.cg" in ptx, f"{where}: the rows are not read past L1"

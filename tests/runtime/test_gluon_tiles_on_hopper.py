@@ -82,3 +82,52 @@ def test_on_hopper_ragged_tiles_compute_the_reference(monkeypatch, case):
     assert {t.per_sm > 0 for t in tiles} == {False, True}
     assert all(gluon_sm90.ragged(t, d) for t in tiles for d in TOLERANCE)
     assert not _misses(case, tiles)
+
+
+@pytest.fixture(scope="module")
+def top2_case():
+    """As :func:`case` with two experts a token, so the top-k sum runs (top-1 skips it): 300 tokens, each drawing two
+    experts in proportion to ROWS_PER_EXPERT (uneven blocks, every fill)."""
+    scheme = GptqScheme(4, 128, True, "gptq")
+    weights, sources = make_stack(8, 512, 256, scheme, word_order="mma128_tiles")
+    gen = torch.Generator().manual_seed(44)
+    ids = torch.multinomial(torch.tensor(ROWS_PER_EXPERT, dtype=torch.float).expand(300, -1), 2, generator=gen)
+    route_w = torch.rand(ids.shape, generator=gen) + 0.5
+    x = torch.randn(ids.shape[0], 512, generator=gen).to(torch.float16)
+    expected = reference(x, sources, scheme, ids, route_w)
+    return on_device(weights, "cuda"), x, ids.to(torch.int32), route_w, expected
+
+
+def _run(case, tile: GluonTile, dtype: torch.dtype, reduce: str) -> torch.Tensor:
+    weights, x, ids, route_w, _ = case
+    config = replace(next(c for c in GLUON_CONFIGS if c.gluon == tile), reduce=reduce)
+    out = torch.full((x.shape[0], x.shape[1]), float("nan"), dtype=dtype, device="cuda")  # unwritten rows show
+    return fused_moe(x.to(dtype).cuda(), weights, ids.cuda(), route_w.cuda(), config=config, out=out).cpu()
+
+
+def test_on_hopper_w2_sums_each_tokens_rows_where_the_last_arrives(monkeypatch, top2_case):
+    """reduce "last" (gluon_sm90._sum_last_rows) on every tile of up to 64 tokens (SUM_LAST_MAX_M = 64, as the
+    anchor's variant asks; shipped: 32), one program per tile and persistent, bf16 and fp16: the same bits as "pairs"
+    (per-pair rows, then kernels/topk_sum.py: the same order of adds), and the reference."""
+    monkeypatch.setattr(gluon_sm90, "SUM_LAST_MAX_M", 64)
+    expected = top2_case[-1]
+    for tile in [c.gluon for c in GLUON_CONFIGS if c.gluon.block_m <= 64]:
+        for dtype in TOLERANCE:
+            last = _run(top2_case, tile, dtype, "last")
+            assert torch.equal(last, _run(top2_case, tile, dtype, "pairs")), (tile, dtype)
+            assert relative_error(last.float(), expected) <= TOLERANCE[dtype], (tile, dtype)
+
+
+@pytest.mark.parametrize("whole_waves", [False, True])
+def test_on_hopper_persistent_w2_work_lists(monkeypatch, top2_case, whole_waves):
+    """fp16 w2 adding into the output, persistent on every persistent tile (W2_PERSISTENT_MIN_K = 0,
+    W2_PERSISTENT_MAX_M = 128), over a grid of 5 programs, so that its tiles fill two waves and more: stream-K
+    ranges, and whole waves first (W2_WHOLE_WAVES, kernels/schedule.py) with split tiles after."""
+    monkeypatch.setattr(gluon_ws_sm90, "W2_PERSISTENT_MIN_K", 0)
+    monkeypatch.setattr(gluon_ws_sm90, "W2_PERSISTENT_MAX_M", 128)
+    monkeypatch.setattr(gluon_ws_sm90, "W2_WHOLE_WAVES", whole_waves)
+    monkeypatch.setattr(gluon_ws_sm90, "programs", lambda tiles, device, per_sm: max(1, min(tiles, 5)))
+    expected = top2_case[-1]
+    for tile in [c.gluon for c in GLUON_CONFIGS if c.gluon.per_sm]:
+        got = _run(top2_case, tile, torch.float16, "out")
+        assert relative_error(got.float(), expected) <= TOLERANCE[torch.float16], tile

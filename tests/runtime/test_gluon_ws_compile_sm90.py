@@ -8,15 +8,13 @@ benchmarks/probe_gluon_ws.py has run them on a GPU. Runs in a subprocess: the te
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from repack.runtime.kernel_config import GluonTile
+from repack.runtime.kernels import gluon_sm90, schedule
 from repack.runtime.kernels.gluon_sm90 import scale_after
 from repack.runtime.kernels.gluon_ws_sm90 import PRODUCER_REGS, W2_ROWS, producer_regs, w2_rows
 from repack.runtime.tune import GLUON_TILES
@@ -25,6 +23,7 @@ from tests.support.sm90 import (
     SM90_BLOCK_RESERVED,
     SM90_SHARED_PER_SM,
     before_dependency_wait,
+    compile_child,
     local_memory_in_k_loops,
     local_memory_in_mma_loops,
     ptxas_spills,
@@ -43,10 +42,12 @@ from repack.runtime.kernels import gluon_sm90, gluon_ws_sm90 as ws
 tile, act, asym = GluonTile(*json.loads(sys.argv[1])), sys.argv[2], sys.argv[3] == "1"
 producer_regs, step_sum, tiles = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
 w2_rows, ragged = int(sys.argv[7]), sys.argv[8] == "1"
+split = int(sys.argv[9]) if len(sys.argv) > 9 and sys.argv[9] != "-" else None  # w2's work list; None: as shipped
+sum_last = sys.argv[10:11] == ["1"]  # w2 writes per-pair rows and sums each token's where its last one lands
 maxnreg = tile.registers
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32), tiles))
-types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, scales_ptr="*fp16",
+types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, sum_ptr=ptr, scales_ptr="*fp16",
              zeros_ptr="*u8" if asym else "*fp16", topk_weights_ptr="*fp32", zero_ptr=ptr)
 report = {}
 for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
@@ -56,9 +57,10 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
                   SCALE_AFTER=step_sum, TILES=tiles, RAGGED=ragged,
                   DEPENDENT=True)  # dependent launches, as on sm_90
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 as gluon_sm90.heuristic_reduce says
-    atomic = gluon_sm90.heuristic_reduce(getattr(torch, act)) != "pairs"
+    atomic = gluon_sm90.heuristic_reduce(getattr(torch, act)) != "pairs" and not sum_last
     consts.update(dict(ZERO_OUT=atomic) if name == "w13" else
-                  dict(ATOMIC=atomic, STREAM_K=atomic, PREFETCH=ws.PREFETCH_STEPS))  # fmt: skip
+                  dict(ATOMIC=atomic, SPLIT=ws.w2_split(atomic) if split is None else split,
+                       PREFETCH=ws.PREFETCH_STEPS, SUM_LAST=sum_last))  # fmt: skip
     sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
@@ -112,6 +114,11 @@ def _plain_cases(shipped: list[GluonTile], probed: list[GluonTile]) -> list[tupl
     ]
 
 
+def _compile(tile: GluonTile, act: str, flags: list[str]) -> dict:
+    """{kernel: its shared memory and PTX} of the child's sm_90 builds (a subprocess: never interpreted)."""
+    return compile_child(_CHILD, json.dumps(tile.to_list()), act, *flags)
+
+
 KNOWN_TILE_SPILL_BYTES = 32  # bf16's step-sum consumer at 4 programs per SM on tiled words: 16-24 bytes measured
 
 SASS_LOOPS = """
@@ -140,19 +147,10 @@ def test_k_loop_spill_finder_reads_loops_from_sass():
     ids=lambda v: str(v.to_list()) if isinstance(v, GluonTile) else str(v),
 )
 def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_regs, step_sum, tiles, w2_rows, ragged):
-    env = dict(os.environ, TRITON_INTERPRET="0")  # compile, never interpret
     maxnreg = tile.registers
     flags = ["1" if asym else "0", str(producer_regs), "1" if step_sum else "0", "1" if tiles else "0"]
     flags += [str(w2_rows), "1" if ragged else "0"]
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(tile.to_list()), act, *flags],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, kernel in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    for name, kernel in _compile(tile, act, flags).items():
         where = f"{name} {tile} {act}{' asym' if asym else ''} maxnreg={maxnreg} producer={producer_regs}"
         where += " tiles" if tiles else " rows"
         where += f" w2 rows {w2_rows}" + (" ragged" if ragged else "")
@@ -192,3 +190,38 @@ def test_warp_specialized_kernels_compile_for_sm90(tile, act, asym, producer_reg
         assert ("wgmma.wait_group.sync.aligned 2;" in ptx) == ragged, f"{where}: two accumulators in flight"
         atomics = re.findall(r"\batom\.[\w.]+", ptx)
         assert all(".relaxed." in a for a in atomics), f"{where}: ordered atomics ({atomics})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [schedule.WHOLE_TILES, schedule.STREAM_K, schedule.WAVES_THEN_STREAM_K], ids=int)
+def test_w2_work_lists_compile_for_sm90(split):
+    """The 128-token tile's persistent w2 (gluon_ws_sm90.W2_PERSISTENT_MAX_M = 128, fp16, ragged) under each way of
+    dealing its work (kernels/schedule.py; W2_STREAM_K, W2_WHOLE_WAVES): built with no spill, its partial sums added
+    with relaxed atomics."""
+    tile = next(t for t in GLUON_TILES if t.per_sm and t.block_m == 128)
+    flags = ["0", str(producer_regs(tile)), "0", "1", str(w2_rows(tile)), "1", str(int(split))]
+    ptx = _compile(tile, "float16", flags)["w2"]["ptx"]
+    assert ptxas_spills(ptx) == 0
+    atomics = re.findall(r"\batom\.[\w.]+", ptx)
+    assert atomics and all(".relaxed." in a for a in atomics), atomics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+def test_w2_summing_last_rows_compiles_for_sm90(act):
+    """reduce "last" (gluon_sm90._sum_last_rows) on every persistent tile `repack tune` may pick up to 64 tokens
+    (SUM_LAST_MAX_M: 32 shipped, 64 in the anchor's variant), ragged where shipped, at its register cap: no spills,
+    one acq_rel ticket at GPU scope per token of a tile (no other ordered atomic), the rows read back past L1."""
+    tiles = [t for t in GLUON_TILES if t.per_sm and t.block_m <= 64]
+    assert tiles and gluon_sm90.SUM_LAST_MAX_M <= 64
+    for tile in tiles:
+        dtype = getattr(torch, act)
+        step_sum, ragged = scale_after(tile, dtype), gluon_sm90.ragged(tile, dtype)
+        flags = ["0", str(producer_regs(tile)), "1" if step_sum else "0", "1", str(w2_rows(tile))]
+        flags += ["1" if ragged else "0", "-", "1"]
+        ptx = _compile(tile, act, flags)["w2"]["ptx"]
+        where = f"{tile} w2 {act} last"
+        assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
+        atomics = re.findall(r"\batom\.[\w.]+", ptx)
+        assert atomics and set(atomics) == {"atom.global.gpu.acq_rel.add.u32"}, f"{where}: {atomics}"
+        assert "ld.global.cg" in ptx, f"{where}: the rows are not read past L1"

@@ -278,6 +278,36 @@ def test_the_shipped_tables_on_an_h200_run_what_they_always_ran(monkeypatch, sm9
             assert plan.config.reduce == gluon_sm90.heuristic_reduce(dtype) and plan.block_m == tile.block_m
 
 
+def test_w2_sums_the_last_rows_only_on_the_gluon_tiles_it_was_built_for(sm90, monkeypatch):
+    """REDUCE "last" (gluon_sm90._sum_last_rows): planned on Gluon tiles up to SUM_LAST_MAX_M tokens, "pairs" on
+    wider ones, at top-1 (the rows are the output) and on the tl families; the heuristic asks it of bf16 where
+    BF16_REDUCE says so."""
+    fused_moe = importlib.import_module("repack.runtime.fused_moe")
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    stack = MoeWeights(meta(8, 512, 64), meta(8, 4, 512), meta(8, 512, 32), meta(8, 2, 512), bits=4, group_size=128,
+                       word_order=MMA128_ORDER)  # fmt: skip
+
+    def planned(m: int, top_k: int, entry: dict | None, dtype=BF16) -> tuple[Family, str, int]:
+        x = torch.empty(m, 512, dtype=dtype, device="meta")
+        plan = fused_moe._plan(x, stack, top_k, None if entry is None else KernelConfig.from_dict(entry), x)
+        return plan.family.family, plan.config.reduce, plan.block_m
+
+    last = dict(GLUON, GLUON=[32, 64, 4], REDUCE="last")
+    assert planned(8, 2, last) == (Family.GLUON_SM90, "last", 32)
+    strided = torch.empty(8, 1024, dtype=BF16, device="meta")[:, ::2]  # w2 sums into rows of unit stride only
+    x = torch.empty(8, 512, dtype=BF16, device="meta")
+    assert fused_moe._plan(x, stack, 2, KernelConfig.from_dict(last), strided).config.reduce == "pairs"
+    assert planned(8, 1, last)[1] == "pairs"
+    assert planned(8, 2, dict(last, GLUON=[64, 64, 8]))[1:] == ("pairs", 64)  # past SUM_LAST_MAX_M tokens
+    assert planned(8, 2, dict(WEIGHT_MAJOR, REDUCE="last"))[:2] == (Family.WEIGHT_MAJOR, "pairs")
+    assert planned(8, 2, None)[1] == "pairs"
+    assert planned(4096, 2, None)[1:] == ("pairs", 128)
+    monkeypatch.setattr(gluon_sm90, "BF16_REDUCE", "last")
+    assert planned(8, 2, None)[1:] == ("last", 16)
+    assert planned(4096, 2, None)[1:] == ("pairs", 128)
+    assert planned(8, 2, None, FP16)[1] == "out"
+
+
 def test_decode_leaves_few_pairs_to_gluon_where_gluon_streams_them_faster(sm90, monkeypatch):
     """decode.gluon_streams_better: a hidden size of 6144 or more (DeepSeek-V3's 7168) at every M, and few experts
     shared by more pairs than half of them (Mixtral at M = 4), 10**8 weights streamed (Mixtral at M = 1); elsewhere

@@ -26,6 +26,23 @@ def run_compile_worker(script: str, timeout: int = 900) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def compile_child(child: str, *args: str, timeout: int = 600) -> dict:
+    """Run the compile script ``child`` (``python -c``) with ``args`` and TRITON_INTERPRET=0, and return the JSON
+    report it prints last (each kernel's PTX and shared memory: the Gluon compile tests' children)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # compile, never interpret: an explicit 0 also keeps repack.runtime from switching the interpreter on
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", child, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def ptxas_spills(ptx: str) -> int:
     """Spill bytes (stores + loads) the ptxas of Triton's nvidia backend reports for ``ptx`` built for sm_90a."""
     import re
