@@ -13,9 +13,9 @@ so both partitions walk the same list):
   program per tile (benchmarks/KERNEL_NOTES.md item 45; whether L2 locality or the split tiles' extra adds cost
   more, the next run says).
 - :data:`WAVES_THEN_STREAM_K`: the classic hybrid of the stream-K paper (Osama et al., 2023): every full wave but the
-  last dealt round-robin whole, then the last full wave and the partial one cut into equal ranges (at least one tile
-  to two a program, so no program adds more than two partial sums). Where there are fewer tiles than two
-  waves it is stream-K; where the tiles fill whole waves, round-robin.
+  last dealt round-robin whole, then the last full wave and the partial one cut into equal ranges (one to two tiles
+  a program, so no program adds more than two partial sums). Where there are fewer tiles than two waves it is
+  stream-K; where the tiles fill whole waves, round-robin.
 
 Scalar ``triton.jit`` helpers, so Gluon kernels call them (as they do ``common.tile_ids``) and the interpreter runs
 them on the CPU (tests/runtime/test_schedule.py checks every (tile, step) is taken exactly once).

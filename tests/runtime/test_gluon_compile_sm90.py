@@ -44,8 +44,8 @@ sum_last = sys.argv[5:6] == ["1"]  # w2 writes per-pair rows and sums each token
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 types = dict(x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr if sum_last else "*fp32", sum_ptr=ptr, qw_ptr="*i32",
              scales_ptr="*fp16", zeros_ptr="*u8" if asym else "*fp16", perm_ptr="*i32", sorted_pairs_ptr="*i32",
-             block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32", zero_ptr="*fp32",
-             counts_ptr="*i32")
+             block_experts_ptr="*i32", num_blocks_ptr="*i32", topk_weights_ptr="*fp32",
+             zero_ptr="*i32" if sum_last else "*fp32", counts_ptr="*i32")  # w13 clears the tickets of "last"
 report = {}
 for name, kernel in (("w13", g._w13_kernel), ("w2", g._w2_kernel)):
     consts = g.launch_constants(cfg, name, top_k=8, group_len=128, has_zeros=asym, has_perm=asym,
@@ -153,7 +153,9 @@ def test_w2_summing_last_rows_compiles_for_sm90(act):
     assert gluon_sm90.SUM_LAST_MAX_M <= 64
     for cfg in (t for t in GLUON_TILES if not t.per_sm and t.block_m <= 64):
         ragged = gluon_sm90.ragged(cfg, getattr(torch, act))
-        ptx = _compile(cfg, act, False, ragged=ragged, sum_last=True)["w2"]["ptx"]
+        report = _compile(cfg, act, False, ragged=ragged, sum_last=True)
+        assert ptxas_spills(report["w13"]["ptx"]) == 0, f"{cfg} w13 {act} clearing the tickets: spills"
+        ptx = report["w2"]["ptx"]
         where = f"{cfg} w2 {act} last"
         assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
         atomics = re.findall(r"\batom\.[\w.]+", ptx)

@@ -48,7 +48,8 @@ maxnreg = tile.registers
 ptr = "*bf16" if act == "bfloat16" else "*fp16"
 desc = mangle_type(ws.words_descriptor(torch.zeros(2, 128, 16, dtype=torch.int32), tiles))
 types = dict(w_desc=desc, x_ptr=ptr, inter_ptr=ptr, out_ptr=ptr, sum_ptr=ptr, scales_ptr="*fp16",
-             zeros_ptr="*u8" if asym else "*fp16", topk_weights_ptr="*fp32", zero_ptr=ptr)
+             zeros_ptr="*u8" if asym else "*fp16", topk_weights_ptr="*fp32",
+             zero_ptr="*i32" if sum_last else ptr)  # w13 clears the tickets of "last", else the output
 report = {}
 for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
     consts = dict(TOP_K=8, GROUP_LEN=128, SYM_ZERO=8, HAS_ZEROS=asym, BLOCK_M=tile.block_m,
@@ -58,7 +59,7 @@ for name, kernel in (("w13", ws._w13_ws_kernel), ("w2", ws._w2_ws_kernel)):
                   DEPENDENT=True)  # dependent launches, as on sm_90
     # w2 as it ships: fp16 adds into the output in stream-K ranges, bf16 as gluon_sm90.heuristic_reduce says
     atomic = gluon_sm90.heuristic_reduce(getattr(torch, act)) != "pairs" and not sum_last
-    consts.update(dict(ZERO_OUT=atomic) if name == "w13" else
+    consts.update(dict(ZERO_OUT=atomic or sum_last) if name == "w13" else
                   dict(ATOMIC=atomic, SPLIT=ws.w2_split(atomic) if split is None else split,
                        PREFETCH=ws.PREFETCH_STEPS, SUM_LAST=sum_last))  # fmt: skip
     sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
@@ -219,7 +220,9 @@ def test_w2_summing_last_rows_compiles_for_sm90(act):
         step_sum, ragged = scale_after(tile, dtype), gluon_sm90.ragged(tile, dtype)
         flags = ["0", str(producer_regs(tile)), "1" if step_sum else "0", "1", str(w2_rows(tile))]
         flags += ["1" if ragged else "0", "-", "1"]
-        ptx = _compile(tile, act, flags)["w2"]["ptx"]
+        report = _compile(tile, act, flags)
+        assert ptxas_spills(report["w13"]["ptx"]) == 0, f"{tile} w13 {act} clearing the tickets: spills"
+        ptx = report["w2"]["ptx"]
         where = f"{tile} w2 {act} last"
         assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
         atomics = re.findall(r"\batom\.[\w.]+", ptx)
