@@ -20,6 +20,7 @@ from repack.runtime.kernels import gluon_sm90
 from tests.support.sm90 import (
     SM90_SHARED_LIMIT,
     before_dependency_wait,
+    check_last_rows_build,
     compile_child,
     local_memory_in_mma_loops,
     ptxas_spills,
@@ -153,11 +154,4 @@ def test_w2_summing_last_rows_compiles_for_sm90(act):
     assert gluon_sm90.SUM_LAST_MAX_M <= 64
     for cfg in (t for t in GLUON_TILES if not t.per_sm and t.block_m <= 64):
         ragged = gluon_sm90.ragged(cfg, getattr(torch, act))
-        report = _compile(cfg, act, False, ragged=ragged, sum_last=True)
-        assert ptxas_spills(report["w13"]["ptx"]) == 0, f"{cfg} w13 {act} clearing the tickets: spills"
-        ptx = report["w2"]["ptx"]
-        where = f"{cfg} w2 {act} last"
-        assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
-        atomics = re.findall(r"\batom\.[\w.]+", ptx)
-        assert atomics and set(atomics) == {"atom.global.gpu.acq_rel.add.u32"}, f"{where}: {atomics}"
-        assert "ld.global.cg" in ptx, f"{where}: the rows are not read past L1"
+        check_last_rows_build(_compile(cfg, act, False, ragged=ragged, sum_last=True), f"{cfg} {act} last")

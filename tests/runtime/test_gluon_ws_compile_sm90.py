@@ -23,6 +23,7 @@ from tests.support.sm90 import (
     SM90_BLOCK_RESERVED,
     SM90_SHARED_PER_SM,
     before_dependency_wait,
+    check_last_rows_build,
     compile_child,
     local_memory_in_k_loops,
     local_memory_in_mma_loops,
@@ -220,11 +221,4 @@ def test_w2_summing_last_rows_compiles_for_sm90(act):
         step_sum, ragged = scale_after(tile, dtype), gluon_sm90.ragged(tile, dtype)
         flags = ["0", str(producer_regs(tile)), "1" if step_sum else "0", "1", str(w2_rows(tile))]
         flags += ["1" if ragged else "0", "-", "1"]
-        report = _compile(tile, act, flags)
-        assert ptxas_spills(report["w13"]["ptx"]) == 0, f"{tile} w13 {act} clearing the tickets: spills"
-        ptx = report["w2"]["ptx"]
-        where = f"{tile} w2 {act} last"
-        assert ptxas_spills(ptx) == 0, f"{where}: spills to local memory"
-        atomics = re.findall(r"\batom\.[\w.]+", ptx)
-        assert atomics and set(atomics) == {"atom.global.gpu.acq_rel.add.u32"}, f"{where}: {atomics}"
-        assert "ld.global.cg" in ptx, f"{where}: the rows are not read past L1"
+        check_last_rows_build(_compile(tile, act, flags), f"{tile} {act} last")

@@ -43,6 +43,20 @@ def compile_child(child: str, *args: str, timeout: int = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def check_last_rows_build(report: dict, where: str) -> None:
+    """What the compile tests hold a build of reduce "last" (kernels/gluon_sm90.py ``_sum_last_rows``) to: its w13
+    (clearing the tickets) and w2 without spills, one acq_rel ticket at GPU scope per token of a tile as the only
+    ordered atomic, and the rows read back past L1."""
+    import re
+
+    assert ptxas_spills(report["w13"]["ptx"]) == 0, f"{where}: w13 clearing the tickets spills"
+    ptx = report["w2"]["ptx"]
+    assert ptxas_spills(ptx) == 0, f"{where}: w2 spills to local memory"
+    atomics = re.findall(r"\batom\.[\w.]+", ptx)
+    assert atomics and set(atomics) == {"atom.global.gpu.acq_rel.add.u32"}, f"{where}: {atomics}"
+    assert "ld.global.cg" in ptx, f"{where}: the rows are not read past L1"
+
+
 def ptxas_spills(ptx: str) -> int:
     """Spill bytes (stores + loads) the ptxas of Triton's nvidia backend reports for ``ptx`` built for sm_90a."""
     import re
