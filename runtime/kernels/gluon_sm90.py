@@ -336,9 +336,8 @@ if available():
     @constexpr_function
     def ticket_columns(tokens, warps):
         """Columns of :func:`ticket_layout`: the threads a token row of it spans."""
-        lanes = min(32, tokens)
-        token_warps = min(warps, max(1, tokens // lanes))
-        return (32 // lanes) * (warps // token_warps)
+        layout = ticket_layout(tokens, warps)
+        return layout.threads_per_warp[1] * layout.warps_per_cta[1]
 
     @constexpr_function
     def sum_rows(block_n, tokens, warps):
@@ -983,7 +982,7 @@ def launch(
     tile = config.gluon
     if tile is None or rows.block_m != tile.block_m:
         raise ValueError(f"gluon_sm90.launch: alignment blocks of {rows.block_m} rows for the Gluon tile {tile}")
-    top_k, atomic = topk_ids.shape[1], adds_into_target(config.reduce)
+    top_k = topk_ids.shape[1]
     h, n_inter, num_pairs = weights.hidden_size, weights.intermediate_size, topk_ids.numel()
     num_pid_m = rows.max_blocks
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
@@ -992,16 +991,13 @@ def launch(
     w13, s13 = weights.w13_qweight, weights.w13_scales
     row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks, num_pairs, num_pid_m]
     grid13 = (num_pid_m * triton.cdiv(n_inter, tile.block_n),)
-    # w13 clears the [M, H] target w2 adds into (contiguous: fused_moe makes sure), or the counts "last" tickets
-    counts = last_counts(config.reduce, topk_ids.shape[0], h, tile.w2_rows, x.device)
-    cleared = counts if counts is not None else target
-    zero_out = atomic or counts is not None
+    # the [M, H] target w2 adds into is contiguous: fused_moe makes sure
+    cleared, numel, counts = cleared_by_w13(config.reduce, target, topk_ids.shape[0], h, tile.w2_rows)
     _w13_kernel[grid13](
-        x, w13, s13, zeros13, perm, inter, *row_args[:3], cleared, *row_args[3:], n_inter, h,
-        cleared.numel() if zero_out else 0,
+        x, w13, s13, zeros13, perm, inter, *row_args[:3], cleared, *row_args[3:], n_inter, h, numel,
         x.stride(0), *word_strides(w13, weights.tiled), s13.stride(0), s13.stride(1), inter.stride(0),
         **launch_constants(tile, "w13", top_k=1 if x_per_pair else top_k, group_len=weights.group_len(h),
-                           has_zeros=has_zeros, has_perm=has_perm, zero_out=zero_out, dtype=x.dtype),
+                           has_zeros=has_zeros, has_perm=has_perm, zero_out=numel > 0, dtype=x.dtype),
         **dependent_launches(x.device),
     )  # fmt: skip
     launch_w2(inter, weights, topk_ids, topk_weights, rows, target, tile, config.reduce, out, counts)
@@ -1012,10 +1008,27 @@ def adds_into_target(reduce: str) -> bool:
     return reduce in ("out", "atomic")
 
 
-def last_counts(reduce: str, m: int, h: int, w2_rows: int, device: torch.device) -> torch.Tensor | None:
-    """reduce "last": the [M, H / w2_rows] int32 tickets of w2's top-k sum (one per token and weight-row tile),
-    uninitialised (w13 clears them); else None."""
-    return torch.empty(m * triton.cdiv(h, w2_rows), dtype=torch.int32, device=device) if reduce == "last" else None
+def cleared_by_w13(
+    reduce: str, target: torch.Tensor, m: int, h: int, w2_rows: int
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """(what w13 clears, how many elements, the tickets of "last" or None): the [M, H] target w2 adds into ("out",
+    "atomic"); the [M, H / w2_rows] int32 tickets of "last" (w2's top-k sum: one per token and weight-row tile, left
+    uninitialised here); nothing for "pairs" (the target, 0 elements)."""
+    if reduce == "last":
+        counts = torch.empty(m * triton.cdiv(h, w2_rows), dtype=torch.int32, device=target.device)
+        return counts, counts.numel(), counts
+    return target, target.numel() if adds_into_target(reduce) else 0, None
+
+
+def last_sum_args(reduce: str, target: torch.Tensor, out: torch.Tensor | None,
+                  counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """w2's (sum_ptr, counts_ptr, stride_sum): for "last" the [M, H] output each token's rows are summed into and the
+    tickets w13 cleared; otherwise unread (the target stands in)."""
+    if reduce != "last":
+        return target, target, target.stride(0)
+    if out is None or counts is None:
+        raise ValueError("gluon_sm90: reduce 'last' sums into an output through counts w13 cleared")
+    return out, counts, out.stride(0)
 
 
 def launch_w2(
@@ -1028,25 +1041,21 @@ def launch_w2(
     tile: GluonTile,
     reduce: str,  # "pairs", "out", "atomic" or "last"
     out: torch.Tensor | None = None,  # "last": [M, H], each token's rows summed into it
-    counts: torch.Tensor | None = None,  # "last": :func:`last_counts` for tile.w2_rows, cleared by w13
+    counts: torch.Tensor | None = None,  # "last": :func:`cleared_by_w13`'s tickets for tile.w2_rows
 ) -> None:
     """w2 alone (:func:`launch`'s second launch; the warp-specialized w13 is followed by it where K is short)."""
     h, n_inter, num_pairs, num_pid_m = weights.hidden_size, weights.intermediate_size, topk_ids.numel(), rows.max_blocks
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     w2, s2 = weights.w2_qweight, weights.w2_scales
     row_args = [rows.sorted_pairs, rows.block_experts, rows.num_blocks]
-    sum_last = reduce == "last"
-    if sum_last and (out is None or counts is None):
-        raise ValueError("gluon_sm90.launch_w2: reduce 'last' sums into an output through counts w13 cleared")
-    summed = [out, counts] if sum_last else [target, target]  # unread unless "last"
+    sum_ptr, counts_ptr, stride_sum = last_sum_args(reduce, target, out, counts)
     grid2 = (num_pid_m * triton.cdiv(h, tile.w2_rows),)
     _w2_kernel[grid2](
-        inter, w2, s2, zeros2, topk_weights, target, *row_args, *summed, num_pairs, num_pid_m, h, n_inter,
-        inter.stride(0), *word_strides(w2, weights.tiled), s2.stride(0), s2.stride(1), target.stride(0),
-        summed[0].stride(0),
+        inter, w2, s2, zeros2, topk_weights, target, *row_args, sum_ptr, counts_ptr, num_pairs, num_pid_m, h, n_inter,
+        inter.stride(0), *word_strides(w2, weights.tiled), s2.stride(0), s2.stride(1), target.stride(0), stride_sum,
         **launch_constants(tile, "w2", top_k=topk_ids.shape[1], group_len=weights.group_len(n_inter),
-                           has_zeros=weights.w2_zeros is not None, atomic=adds_into_target(reduce), sum_last=sum_last,
-                           dtype=inter.dtype),
+                           has_zeros=weights.w2_zeros is not None, atomic=adds_into_target(reduce),
+                           sum_last=reduce == "last", dtype=inter.dtype),
         **dependent_launches(inter.device),
     )  # fmt: skip
 

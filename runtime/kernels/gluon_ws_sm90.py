@@ -506,10 +506,7 @@ def launch(
     w2_persistent = n_inter >= W2_PERSISTENT_MIN_K and tile.block_m <= W2_PERSISTENT_MAX_M
     tile2 = tile if w2_persistent else replace(tile, per_sm=0)  # the one-program w2 where it runs
     rows2 = w2_rows(tile) if w2_persistent else tile2.w2_rows
-    # w13 clears the [M, H] target w2 adds into, or the counts of "last"'s tickets (for w2's weight-row tiles)
-    counts = gluon_sm90.last_counts(reduce, topk_ids.shape[0], h, rows2, x.device)
-    cleared = counts if counts is not None else target
-    zero_out = atomic or counts is not None
+    cleared, numel, counts = gluon_sm90.cleared_by_w13(reduce, target, topk_ids.shape[0], h, rows2)
     zeros13 = weights.w13_zeros if weights.w13_zeros is not None else weights.w13_scales
     has_zeros = weights.w13_zeros is not None
     s13 = weights.w13_scales
@@ -522,25 +519,24 @@ def launch(
     _w13_ws_kernel[grid13](
         words_descriptor(weights.w13_qweight, weights.tiled), x, s13, zeros13, inter, rows.sorted_pairs,
         rows.block_experts,
-        rows.num_blocks, cleared, num_pairs, n_inter, h, cleared.numel() if zero_out else 0, x.stride(0),
-        s13.stride(0), s13.stride(1), inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h),
-        ZERO_OUT=zero_out, BLOCK_N=tile.block_n, **common,
+        rows.num_blocks, cleared, num_pairs, n_inter, h, numel, x.stride(0), s13.stride(0), s13.stride(1),
+        inter.stride(0), TOP_K=1 if x_per_pair else top_k, GROUP_LEN=weights.group_len(h), ZERO_OUT=numel > 0,
+        BLOCK_N=tile.block_n, **common,
     )  # fmt: skip
     if not w2_persistent:
         gluon_sm90.launch_w2(inter, weights, topk_ids, topk_weights, rows, target, tile2, reduce, out, counts)
         return
     zeros2 = weights.w2_zeros if weights.w2_zeros is not None else weights.w2_scales
     s2 = weights.w2_scales
-    sum_last = reduce == "last"
-    summed = [out, counts] if sum_last else [target, target]  # unread unless "last"
+    sum_ptr, counts_ptr, stride_sum = gluon_sm90.last_sum_args(reduce, target, out, counts)
     work2 = rows.max_blocks * triton.cdiv(h, rows2)  # tiles at most; split: ranges of STREAM_K_MIN_STEPS at most
     if w2_split(atomic) != WHOLE_TILES:
         work2 = triton.cdiv(work2 * (n_inter // 128), STREAM_K_MIN_STEPS)
     grid2 = (programs(work2, x.device, tile.per_sm),)
     _w2_ws_kernel[grid2](
         words_descriptor(weights.w2_qweight, weights.tiled), weights.w2_qweight, inter, s2, zeros2, topk_weights,
-        target, rows.sorted_pairs, rows.block_experts, rows.num_blocks, *summed, num_pairs, h, n_inter,
-        inter.stride(0), s2.stride(0), s2.stride(1), target.stride(0), summed[0].stride(0), TOP_K=top_k,
+        target, rows.sorted_pairs, rows.block_experts, rows.num_blocks, sum_ptr, counts_ptr, num_pairs, h, n_inter,
+        inter.stride(0), s2.stride(0), s2.stride(1), target.stride(0), stride_sum, TOP_K=top_k,
         GROUP_LEN=weights.group_len(n_inter), ATOMIC=atomic, BLOCK_N=rows2, SPLIT=w2_split(atomic),
-        PREFETCH=PREFETCH_STEPS, SUM_LAST=sum_last, **common,
+        PREFETCH=PREFETCH_STEPS, SUM_LAST=reduce == "last", **common,
     )  # fmt: skip

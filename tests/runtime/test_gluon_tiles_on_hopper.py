@@ -51,12 +51,17 @@ def case():
     return on_device(weights, "cuda"), x, ids, route_w, expected
 
 
+def _run(case, tile: GluonTile, dtype: torch.dtype, reduce: str) -> torch.Tensor:
+    """The call's output on the CPU under ``tile``'s config and top-k sum ``reduce``."""
+    weights, x, ids, route_w, _ = case
+    config = replace(next(c for c in GLUON_CONFIGS if c.gluon == tile), reduce=reduce)
+    out = torch.full((x.shape[0], x.shape[1]), float("nan"), dtype=dtype, device="cuda")  # unwritten rows show
+    return fused_moe(x.to(dtype).cuda(), weights, ids.cuda(), route_w.cuda(), config=config, out=out).cpu()
+
+
 def _error(case, tile: GluonTile, dtype: torch.dtype) -> float:
-    weights, x, ids, route_w, expected = case
-    config = next(c for c in GLUON_CONFIGS if c.gluon == tile)
-    config = replace(config, reduce=gluon_sm90.heuristic_reduce(dtype))  # fp16: added into the output, as shipped
-    got = fused_moe(x.to(dtype).cuda(), weights, ids.cuda(), route_w.cuda(), config=config)
-    return relative_error(got.float().cpu(), expected)
+    """The call's error with the top-k sum as shipped (fp16: added into the output)."""
+    return relative_error(_run(case, tile, dtype, gluon_sm90.heuristic_reduce(dtype)).float(), case[-1])
 
 
 def _misses(case, tiles: list[GluonTile]) -> list[tuple[list[int], str, float]]:
@@ -96,13 +101,6 @@ def top2_case():
     x = torch.randn(ids.shape[0], 512, generator=gen).to(torch.float16)
     expected = reference(x, sources, scheme, ids, route_w)
     return on_device(weights, "cuda"), x, ids.to(torch.int32), route_w, expected
-
-
-def _run(case, tile: GluonTile, dtype: torch.dtype, reduce: str) -> torch.Tensor:
-    weights, x, ids, route_w, _ = case
-    config = replace(next(c for c in GLUON_CONFIGS if c.gluon == tile), reduce=reduce)
-    out = torch.full((x.shape[0], x.shape[1]), float("nan"), dtype=dtype, device="cuda")  # unwritten rows show
-    return fused_moe(x.to(dtype).cuda(), weights, ids.cuda(), route_w.cuda(), config=config, out=out).cpu()
 
 
 def test_on_hopper_w2_sums_each_tokens_rows_where_the_last_arrives(monkeypatch, top2_case):
